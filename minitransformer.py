@@ -1,0 +1,712 @@
+"""
+minitransformer: a Transformer encoder in one file, with three attention paths.
+
+Read it top-down: masks, the three attention functions, multi-head attention,
+positional encodings, the encoder layer, the config, the encoder, then the
+training loop and its command line. Every attention path follows the signature
+and mask semantics of torch.nn.functional.scaled_dot_product_attention (SDPA)
+and is tested against it in float64.
+
+References:
+1) Vaswani et al. 2017, "Attention Is All You Need" (the architecture, post-LN,
+   sinusoidal positions): https://arxiv.org/abs/1706.03762
+2) Rabe & Staats 2021, "Self-attention Does Not Need O(n^2) Memory" (chunked
+   attention with online softmax): https://arxiv.org/abs/2112.05682
+3) Dao et al. 2022 and Dao 2023, "FlashAttention" and "FlashAttention-2" (the
+   log-sum-exp statistics and the recomputing backward):
+   https://arxiv.org/abs/2205.14135, https://arxiv.org/abs/2307.08691
+4) Xiong et al. 2020, "On Layer Normalization in the Transformer Architecture"
+   (pre-LN): https://arxiv.org/abs/2002.04745
+5) Su et al. 2021, "RoFormer" (rotary position embedding):
+   https://arxiv.org/abs/2104.09864
+6) Micikevicius et al. 2018, "Mixed Precision Training" (loss scaling):
+   https://arxiv.org/abs/1710.03740
+
+Mask convention, the same in every path (it is SDPA's):
+- a boolean mask is True where a query MAY attend to a key. This is the
+  opposite of nn.MultiheadAttention's key_padding_mask (True = ignore);
+- integer 0/1 masks (the tutorial convention, 0 = masked) are read as boolean;
+- a floating mask is added to the scores (-inf masks);
+- masks broadcast to (B, H, Lq, Lk);
+- is_causal=True with an attn_mask applies both (SDPA refuses the pair);
+- window_size=w keeps keys with |i - j| <= w (with is_causal: 0 <= i - j <= w);
+- a query row with every key masked gives exactly zero output and zero
+  gradients, never NaN.
+"""
+
+import argparse
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+IMPLS = ("naive", "chunked", "flash")
+
+# -----------------------------------------------------------------------------
+# Masks: one helper builds the mask of any block of the score matrix, for all
+# three paths (naive and flash ask for the whole matrix, chunked for one block).
+
+
+def causal_mask(Lq, Lk=None, device=None):
+    """Boolean (Lq, Lk) mask, True where key j <= query i (SDPA's top-left alignment)."""
+    Lk = Lq if Lk is None else Lk
+    return torch.ones(Lq, Lk, dtype=torch.bool, device=device).tril()
+
+
+def padding_mask(lengths, max_len):
+    """Boolean (B, 1, 1, max_len) mask, True on the first lengths[b] keys of sequence b.
+
+    It broadcasts over heads and queries. nn.MultiheadAttention's key_padding_mask
+    is its negation: key_padding_mask = ~padding_mask(lengths, L)[:, 0, 0].
+    """
+    lengths = torch.as_tensor(lengths)
+    if lengths.dim() != 1 or lengths.dtype.is_floating_point:
+        raise ValueError(f"lengths must be a 1-D integer tensor, got shape {tuple(lengths.shape)} {lengths.dtype}")
+    if (lengths < 0).any() or (lengths > max_len).any():
+        raise ValueError(f"lengths must lie in [0, {max_len}], got {lengths.tolist()}")
+    keep = torch.arange(max_len, device=lengths.device) < lengths[:, None]  # (B, L)
+    return keep[:, None, None, :]  # (B, 1, 1, L)
+
+
+def _check_qkv(q, k, v):
+    """Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv); one float dtype, one device."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
+    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"q, k, v must share (B, H), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.size(-1) != k.size(-1):
+        raise ValueError(f"q and k must share the head dim, got {tuple(q.shape)} and {tuple(k.shape)}")
+    if k.size(-2) != v.size(-2):
+        raise ValueError(f"k and v must share the key length, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise TypeError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+
+
+def _check_mask(attn_mask, q, k):
+    """Validate attn_mask against (B, H, Lq, Lk); returns it as bool (keep) or float (bias) or None."""
+    if attn_mask is None:
+        return None
+    target = (q.size(0), q.size(1), q.size(2), k.size(2))
+    if attn_mask.dtype == torch.bool:
+        pass
+    elif not attn_mask.dtype.is_floating_point and not attn_mask.dtype.is_complex:
+        attn_mask = attn_mask != 0  # integer 0/1 mask: 0 means masked
+    elif attn_mask.dtype.is_floating_point:
+        attn_mask = attn_mask.to(q.dtype)  # SDPA wants the bias in the dtype of q
+    else:
+        raise TypeError(f"attn_mask must be bool, integer or floating, got {attn_mask.dtype}")
+    try:
+        ok = attn_mask.dim() <= 4 and torch.broadcast_shapes(attn_mask.shape, target) == target
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, Lq, Lk) = {target}")
+    return attn_mask.to(q.device)
+
+
+def _block_is_masked(q0, q1, k0, k1, is_causal, window_size):
+    """True when the causal / window structure alone masks every score of the block."""
+    if is_causal and k0 > q1 - 1:  # every key is after every query
+        return True
+    if window_size is not None and (k0 - (q1 - 1) > window_size or (q0 - (k1 - 1)) > window_size):
+        return True
+    return False
+
+
+def _mask_block(attn_mask, is_causal, window_size, q0, q1, k0, k1, device):
+    """The mask of scores[..., q0:q1, k0:k1]: bool (True = keep), float (added), or None (keep all).
+
+    attn_mask has been validated by _check_mask. The causal and window parts are
+    built from indices, so the chunked path never holds more than one block.
+    """
+    i = torch.arange(q0, q1, device=device)[:, None]
+    j = torch.arange(k0, k1, device=device)[None, :]
+    keep = None
+    if is_causal and k1 - 1 > q0:  # some key lies after some query
+        keep = j <= i
+    if window_size is not None and (k1 - 1 - q0 > window_size or q1 - 1 - k0 > window_size):
+        near = (i - j).abs() <= window_size
+        keep = near if keep is None else keep & near
+    if attn_mask is None:
+        return keep
+    m = attn_mask  # slice only the dims that are not broadcast
+    if m.size(-2) != 1:
+        m = m[..., q0:q1, :]
+    if m.size(-1) != 1:
+        m = m[..., k0:k1]
+    if keep is None:
+        return m
+    if m.dtype == torch.bool:
+        return m & keep
+    return m.masked_fill(~keep, float("-inf"))
+
+
+def _full_mask(attn_mask, is_causal, window_size, Lq, Lk, device):
+    """The whole (.., Lq, Lk) mask, with fully masked rows re-opened, and those rows.
+
+    A row with every key masked would make softmax 0/0 = NaN in the forward and
+    NaN gradients in the backward. We let such rows attend to every key (any
+    finite value would do) and return `dead` (.., Lq, 1) so that the caller zeroes
+    their output; zeroing the output also zeroes their gradients.
+    """
+    mask = _mask_block(attn_mask, is_causal, window_size, 0, Lq, 0, Lk, device)
+    if mask is None:
+        return None, None
+    if mask.dtype == torch.bool:
+        dead = ~mask.any(-1, keepdim=True)
+        return (mask | dead if dead.any() else mask), dead
+    dead = torch.isneginf(mask).all(-1, keepdim=True)
+    return (mask.masked_fill(dead, 0.0) if dead.any() else mask), dead
+
+
+def _check_args(q, k, v, attn_mask, dropout_p, scale, window_size):
+    _check_qkv(q, k, v)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
+    if window_size is not None and (not isinstance(window_size, int) or window_size < 0):
+        raise ValueError(f"window_size must be a non-negative int or None, got {window_size!r}")
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
+    return _check_mask(attn_mask, q, k), scale
+
+
+# -----------------------------------------------------------------------------
+# Path 1: naive attention, the textbook formula. Materialises (B, H, Lq, Lk).
+
+
+def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, window_size=None):
+    """Attention(Q, K, V) = softmax(Q K^T * scale + M) V,  scale = 1/sqrt(d_k) by default.
+
+    q: (B, H, Lq, D), k: (B, H, Lk, D), v: (B, H, Lk, Dv) -> out (B, H, Lq, Dv) and
+    weights (B, H, Lq, Lk), the probabilities actually used (after dropout), so
+    that out == weights @ v. Mask convention: see the module docstring.
+    """
+    attn_mask, scale = _check_args(q, k, v, attn_mask, dropout_p, scale, window_size)
+    mask, dead = _full_mask(attn_mask, is_causal, window_size, q.size(-2), k.size(-2), q.device)
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Lq, Lk)
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))  # -inf, not -1e9: representable in every dtype
+    elif mask is not None:
+        scores = scores + mask
+    weights = torch.softmax(scores, dim=-1)
+    if dead is not None:
+        weights = weights.masked_fill(dead, 0.0)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, dropout_p)  # kept weights scaled by 1/(1-p): same expectation
+    return weights @ v, weights
+
+
+# -----------------------------------------------------------------------------
+# Path 2: chunked attention with online softmax, forward and backward by hand.
+#
+# For one block of queries, the keys are visited block by block. With running
+# row max m and running normaliser l, a new block of scores S_j updates
+#     m' = max(m, rowmax(S_j)),   P_j = exp(S_j - m'),
+#     l' = l * exp(m - m') + rowsum(P_j),   acc' = acc * exp(m - m') + P_j V_j,
+# and at the end out = acc / l, lse = m + log(l). Only one (cq, ck) block of
+# scores exists at a time, so memory is linear in the sequence length. The
+# backward recomputes P_j = exp(S_j - lse) from the saved lse instead of storing
+# the blocks (FlashAttention-2, Algorithm 2):
+#     dV_j += P_j^T dO,   dP_j = dO V_j^T,   dS_j = P_j * (dP_j - rowsum(dO * O)),
+#     dQ += dS_j K_j * scale,   dK_j += dS_j^T Q * scale.
+# With dropout, P_j is replaced by P_j * Z_j / (1 - p) in the products with V and
+# dO; the masks Z_j are regenerated from a seed, block by block.
+
+
+def _dropout_keep(shape, dropout_p, seed, block_id, device):
+    """The dropout mask of one block, the same in forward and backward: (seed, block_id) fixes it."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed + block_id)
+    return torch.rand(shape, generator=gen, device=device) >= dropout_p
+
+
+def _chunks(chunk_size):
+    cq, ck = (chunk_size, chunk_size) if isinstance(chunk_size, int) else chunk_size
+    if cq < 1 or ck < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size!r}")
+    return cq, ck
+
+
+class _ChunkedAttention(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, chunk_size):
+        B, H, Lq, D = q.shape
+        Lk, Dv = k.size(-2), v.size(-1)
+        cq, ck = _chunks(chunk_size)
+        seed = int(torch.randint(0, 2**62, ())) if dropout_p > 0.0 else 0
+        acc_dtype = torch.promote_types(q.dtype, torch.float32)  # accumulate low precision in float32
+        out = torch.empty(B, H, Lq, Dv, dtype=q.dtype, device=q.device)
+        lse = torch.empty(B, H, Lq, 1, dtype=acc_dtype, device=q.device)
+        n_kblocks = -(-Lk // ck)
+        for qb, q0 in enumerate(range(0, Lq, cq)):
+            q1 = min(q0 + cq, Lq)
+            qi = q[:, :, q0:q1] * scale  # (B, H, cq, D); scaling q is cheaper than scaling the scores
+            m = torch.full((B, H, q1 - q0, 1), float("-inf"), dtype=acc_dtype, device=q.device)
+            l = torch.zeros_like(m)
+            acc = torch.zeros(B, H, q1 - q0, Dv, dtype=acc_dtype, device=q.device)
+            for kb, k0 in enumerate(range(0, Lk, ck)):
+                k1 = min(k0 + ck, Lk)
+                if _block_is_masked(q0, q1, k0, k1, is_causal, window_size):
+                    continue  # sparsity: a block that is masked by structure costs nothing
+                s = (qi @ k[:, :, k0:k1].transpose(-2, -1)).to(acc_dtype)  # (B, H, cq, ck)
+                mask = _mask_block(attn_mask, is_causal, window_size, q0, q1, k0, k1, q.device)
+                if mask is not None and mask.dtype == torch.bool:
+                    s.masked_fill_(~mask, float("-inf"))
+                elif mask is not None:
+                    s = s + mask
+                m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+                m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # exp(-inf - 0) = 0, not NaN
+                s.sub_(m_safe).exp_()  # P_j, in place: no second block-sized buffer
+                alpha = torch.exp(m - m_safe)
+                l.mul_(alpha).add_(s.sum(-1, keepdim=True))
+                if dropout_p > 0.0:
+                    keep = _dropout_keep(s.shape, dropout_p, seed, qb * n_kblocks + kb, q.device)
+                    s.mul_(keep).mul_(1.0 / (1.0 - dropout_p))  # normaliser l already taken: kept weights scaled up
+                acc.mul_(alpha).add_(s.to(v.dtype) @ v[:, :, k0:k1])
+                m = m_new
+            dead = l == 0  # every key masked: output 0, and lse = +inf so the backward sees P = 0
+            out[:, :, q0:q1] = (acc / l.masked_fill(dead, 1.0)).to(q.dtype)
+            lse[:, :, q0:q1] = torch.where(dead, float("inf"), m + torch.log(l))
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+        ctx.args = (dropout_p, is_causal, scale, window_size, (cq, ck), seed)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, attn_mask = ctx.saved_tensors
+        dropout_p, is_causal, scale, window_size, (cq, ck), seed = ctx.args
+        Lq, Lk = q.size(-2), k.size(-2)
+        acc_dtype = lse.dtype
+        dq = torch.zeros_like(q, dtype=acc_dtype)
+        dk = torch.zeros_like(k, dtype=acc_dtype)
+        dv = torch.zeros_like(v, dtype=acc_dtype)
+        delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1, keepdim=True)  # (B, H, Lq, 1) = rowsum(dO * O)
+        n_kblocks = -(-Lk // ck)
+        for qb, q0 in enumerate(range(0, Lq, cq)):
+            q1 = min(q0 + cq, Lq)
+            qi = q[:, :, q0:q1] * scale  # (B, H, cq, D)
+            doi = dout[:, :, q0:q1]  # (B, H, cq, Dv)
+            for kb, k0 in enumerate(range(0, Lk, ck)):
+                k1 = min(k0 + ck, Lk)
+                if _block_is_masked(q0, q1, k0, k1, is_causal, window_size):
+                    continue
+                kj, vj = k[:, :, k0:k1], v[:, :, k0:k1]
+                s = (qi @ kj.transpose(-2, -1)).to(acc_dtype)  # (B, H, cq, ck)
+                mask = _mask_block(attn_mask, is_causal, window_size, q0, q1, k0, k1, q.device)
+                if mask is not None and mask.dtype == torch.bool:
+                    s.masked_fill_(~mask, float("-inf"))
+                elif mask is not None:
+                    s = s + mask
+                p = s.sub_(lse[:, :, q0:q1]).exp_()  # P_j recomputed: the forward's probabilities
+                dp = (doi @ vj.transpose(-2, -1)).to(acc_dtype)  # (B, H, cq, ck)
+                if dropout_p > 0.0:
+                    zs = _dropout_keep(p.shape, dropout_p, seed, qb * n_kblocks + kb, q.device) / (1.0 - dropout_p)
+                    dv[:, :, k0:k1] += ((p * zs).to(v.dtype).transpose(-2, -1) @ doi).to(acc_dtype)
+                    dp.mul_(zs)
+                else:
+                    dv[:, :, k0:k1] += (p.to(v.dtype).transpose(-2, -1) @ doi).to(acc_dtype)
+                ds = p.mul_(dp.sub_(delta[:, :, q0:q1])).to(q.dtype)  # dS_j = P_j * (dP_j - delta)
+                dq[:, :, q0:q1] += (ds @ kj).to(acc_dtype)
+                dk[:, :, k0:k1] += (ds.transpose(-2, -1) @ qi).to(acc_dtype)  # qi carries the scale
+        dq.mul_(scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+
+
+def default_chunk_size(device):
+    """Block sizes (query block, key block) chosen from measurements (see README, issue 5)."""
+    return (256, 512) if torch.device(device).type == "cpu" else (512, 512)
+
+
+def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
+                      window_size=None, chunk_size=None):
+    """Memory-efficient attention: the same result as naive_attention, in O(L) memory.
+
+    q: (B, H, Lq, D), k: (B, H, Lk, D), v: (B, H, Lk, Dv) -> (B, H, Lq, Dv).
+    chunk_size: int or (query block, key block); None picks default_chunk_size.
+    Blocks masked by is_causal / window_size are skipped, not computed.
+    Gradients flow to q, k, v (not to a float attn_mask).
+    """
+    attn_mask, scale = _check_args(q, k, v, attn_mask, dropout_p, scale, window_size)
+    chunk_size = _chunks(default_chunk_size(q.device) if chunk_size is None else chunk_size)
+    return _ChunkedAttention.apply(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, chunk_size)
+
+
+# -----------------------------------------------------------------------------
+# Path 3: PyTorch's fused kernel. SDPA picks a kernel by itself and silently
+# falls back to the unfused math kernel when no fused one fits the inputs; we
+# ask first, and warn (or raise) instead of being silent.
+
+_KERNELS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def _sdpa_inputs(q, k, attn_mask, is_causal, window_size):
+    """SDPA's (attn_mask, is_causal) for our semantics, and the fully masked rows to zero."""
+    if attn_mask is None and window_size is None:
+        return None, is_causal, None  # pure causal: key 0 is visible to every query, no dead rows
+    mask, dead = _full_mask(attn_mask, is_causal, window_size, q.size(-2), k.size(-2), q.device)
+    return mask, False, dead
+
+
+def _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale):
+    # torch._fused_sdp_choice is the very function SDPA consults to pick its kernel,
+    # and it honours an enclosing sdpa_kernel(...) restriction.
+    choice = SDPBackend(torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale))
+    return next(name for name, backend in _KERNELS.items() if backend == choice)
+
+
+def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, window_size=None):
+    """Which SDPA kernel flash_attention would run for these inputs: 'flash', 'efficient', 'cudnn' or 'math'."""
+    attn_mask, scale = _check_args(q, k, v, attn_mask, dropout_p, scale, window_size)
+    mask, causal, _ = _sdpa_inputs(q, k, attn_mask, is_causal, window_size)
+    return _chosen_kernel(q, k, v, mask, dropout_p, causal, scale)
+
+
+def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
+                    window_size=None, on_math="warn"):
+    """softmax(Q K^T * scale + M) V through F.scaled_dot_product_attention's fused kernels.
+
+    q: (B, H, Lq, D), k: (B, H, Lk, D), v: (B, H, Lk, Dv) -> (B, H, Lq, Dv).
+    When no fused kernel accepts the inputs (dropout on CPU, say), on_math decides:
+    "warn" (once per reason) and run the math kernel, "raise" a RuntimeError, or
+    "allow" silently. A mask (or window) is materialised as (.., Lq, Lk); pure
+    is_causal is passed to the kernel as is.
+    """
+    if on_math not in ("warn", "raise", "allow"):
+        raise ValueError(f"on_math must be 'warn', 'raise' or 'allow', got {on_math!r}")
+    attn_mask, scale = _check_args(q, k, v, attn_mask, dropout_p, scale, window_size)
+    mask, causal, dead = _sdpa_inputs(q, k, attn_mask, is_causal, window_size)
+    kernel = _chosen_kernel(q, k, v, mask, dropout_p, causal, scale)
+    if kernel == "math" and on_math != "allow":
+        why = (f"no fused SDPA kernel accepts these inputs (device={q.device.type}, dtype={q.dtype}, "
+               f"dropout_p={dropout_p}, mask={None if mask is None else mask.dtype}, head dim={q.size(-1)}); "
+               "running the unfused math kernel")
+        if on_math == "raise":
+            raise RuntimeError(why)
+        warnings.warn(why, stacklevel=2)
+    with sdpa_kernel(_KERNELS[kernel]):  # run exactly the kernel we reported
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                             is_causal=causal, scale=scale)
+    return out if dead is None else out.masked_fill(dead, 0.0)
+
+
+def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, impl="flash",
+              window_size=None, chunk_size=None):
+    """Scaled dot-product attention through one of IMPLS; (B, H, Lq, D) x 2, (B, H, Lk, Dv) -> (B, H, Lq, Dv)."""
+    if impl == "naive":
+        return naive_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size=window_size)[0]
+    if impl == "chunked":
+        return chunked_attention(q, k, v, attn_mask, dropout_p, is_causal, scale,
+                                 window_size=window_size, chunk_size=chunk_size)
+    if impl == "flash":
+        return flash_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size=window_size)
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+# -----------------------------------------------------------------------------
+# Multi-head attention
+
+
+class MultiHeadAttention(nn.Module):
+    """MultiHead(X) = Concat(head_1, ..., head_h) W^O,  head_i = Attention(X W_i^Q, X W_i^K, X W_i^V).
+
+    x: (B, T, C) with C = d_model, batch first. The three input projections are one
+    (C, 3C) linear layer, laid out as nn.MultiheadAttention's in_proj_weight.
+    rope: an optional RotaryEmbedding applied to q and k of every head.
+    """
+
+    def __init__(self, d_model, n_heads, dropout=0.0, bias=True, impl="flash", *, chunk_size=None,
+                 window_size=None, rope=None):
+        super().__init__()
+        if d_model % n_heads != 0:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        if d_model // n_heads < 32:
+            warnings.warn(f"head size d_model/n_heads = {d_model // n_heads} is below 32; "
+                          "fine for small test models, weak for real ones", stacklevel=2)
+        self.d_model, self.n_heads, self.dropout, self.impl = d_model, n_heads, dropout, impl
+        self.chunk_size, self.window_size, self.rope = chunk_size, window_size, rope
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def forward(self, x, attn_mask=None, is_causal=False, need_weights=False):
+        if x.dim() != 3 or x.size(-1) != self.d_model:
+            raise ValueError(f"expected x of shape (B, T, {self.d_model}), got {tuple(x.shape)}")
+        B, T, C = x.size()
+        nh, hs = self.n_heads, C // self.n_heads
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        if self.rope is not None:
+            q, k = self.rope(q), self.rope(k)
+        p = self.dropout if self.training else 0.0
+        weights = None
+        if need_weights:  # only the naive path materialises the weights
+            y, weights = naive_attention(q, k, v, attn_mask, p, is_causal, window_size=self.window_size)
+        else:
+            y = attention(q, k, v, attn_mask, p, is_causal, impl=self.impl, window_size=self.window_size,
+                          chunk_size=self.chunk_size)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
+        y = self.proj(y)
+        return (y, weights) if need_weights else y
+
+    @classmethod
+    def from_torch(cls, m, impl="flash"):
+        """An equivalent module (same outputs) from an nn.MultiheadAttention with q, k, v of one size."""
+        if not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn:
+            raise ValueError("from_torch supports nn.MultiheadAttention without kdim/vdim, add_bias_kv, add_zero_attn")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the small-head warning is for models built by hand
+            new = cls(m.embed_dim, m.num_heads, m.dropout, bias=m.in_proj_bias is not None, impl=impl)
+        new = new.to(m.in_proj_weight.device, m.in_proj_weight.dtype)
+        with torch.no_grad():
+            new.qkv.weight.copy_(m.in_proj_weight)
+            new.proj.weight.copy_(m.out_proj.weight)
+            if m.in_proj_bias is not None:
+                new.qkv.bias.copy_(m.in_proj_bias)
+                new.proj.bias.copy_(m.out_proj.bias)
+        return new
+
+
+# -----------------------------------------------------------------------------
+# Positional encodings
+
+
+def _check_length(T, max_len):
+    if T > max_len:
+        raise ValueError(f"sequence length {T} exceeds max_len={max_len}")
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """x + PE, with PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)).
+
+    x: (B, T, d_model), T <= max_len. Fixed, not learned; dropout after the sum as in the paper.
+    """
+
+    def __init__(self, d_model, max_len, dropout=0.0):
+        super().__init__()
+        self.max_len = max_len
+        pos = torch.arange(max_len, dtype=torch.float64)[:, None]  # (max_len, 1)
+        inv_freq = 10000.0 ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)  # (ceil(d/2),)
+        pe = torch.zeros(max_len, d_model, dtype=torch.float64)
+        pe[:, 0::2] = torch.sin(pos * inv_freq)
+        pe[:, 1::2] = torch.cos(pos * inv_freq[: d_model // 2])
+        self.register_buffer("pe", pe.float(), persistent=False)  # recomputed, so not in the checkpoint
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        _check_length(x.size(1), self.max_len)
+        return self.drop(x + self.pe[: x.size(1)].to(x.dtype))
+
+
+class LearnedPositionalEncoding(nn.Module):
+    """x + P[pos], with P a learned (max_len, d_model) table (BERT, GPT-2). x: (B, T, d_model)."""
+
+    def __init__(self, d_model, max_len, dropout=0.0):
+        super().__init__()
+        self.max_len = max_len
+        self.pe = nn.Embedding(max_len, d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        _check_length(x.size(1), self.max_len)
+        return self.drop(x + self.pe.weight[: x.size(1)])
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE: rotate each pair (x_i, x_{i+hs/2}) of q and k by the angle pos * 10000^(-2i/hs).
+
+    x: (B, nh, T, hs) -> same shape. The score q_m . k_n then depends on positions
+    only through m - n, so no position is added to the token embedding.
+    """
+
+    def __init__(self, head_size, max_len, base=10000.0):
+        super().__init__()
+        if head_size % 2:
+            raise ValueError(f"RoPE needs an even head size, got {head_size}")
+        self.max_len = max_len
+        inv_freq = base ** (-torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)  # (hs/2,)
+        angle = torch.arange(max_len, dtype=torch.float64)[:, None] * inv_freq  # (max_len, hs/2)
+        angle = torch.cat([angle, angle], dim=-1)  # (max_len, hs): pair i and i + hs/2 share an angle
+        self.register_buffer("cos", angle.cos().float(), persistent=False)
+        self.register_buffer("sin", angle.sin().float(), persistent=False)
+
+    def forward(self, x):
+        T = x.size(-2)
+        _check_length(T, self.max_len)
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)  # (B, nh, T, hs): multiplication by i, pair by pair
+        return x * self.cos[:T].to(x.dtype) + rotated * self.sin[:T].to(x.dtype)
+
+
+# -----------------------------------------------------------------------------
+# Encoder layer
+
+_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
+
+
+class EncoderLayer(nn.Module):
+    """One encoder layer, as nn.TransformerEncoderLayer (batch first).
+
+    post-LN (paper, default):  x = LN(x + SA(x));     x = LN(x + FF(x))
+    pre-LN (norm_first=True):  x = x + SA(LN(x));     x = x + FF(LN(x))
+    FF(x) = W2 dropout(act(W1 x + b1)) + b2. x: (B, T, d_model) -> (B, T, d_model).
+    """
+
+    def __init__(self, d_model, n_heads, d_ff, dropout=0.1, norm_first=False, activation="relu", impl="flash",
+                 layer_norm_eps=1e-5, *, bias=True, chunk_size=None, window_size=None, rope=None):
+        super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"activation must be one of {tuple(_ACTIVATIONS)}, got {activation!r}")
+        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout, bias, impl, chunk_size=chunk_size,
+                                            window_size=window_size, rope=rope)
+        self.linear1 = nn.Linear(d_model, d_ff, bias=bias)
+        self.linear2 = nn.Linear(d_ff, d_model, bias=bias)
+        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
+        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
+        self.dropout = nn.Dropout(dropout)  # inside the feed-forward
+        self.dropout1 = nn.Dropout(dropout)  # on the attention branch
+        self.dropout2 = nn.Dropout(dropout)  # on the feed-forward branch
+        self.activation = _ACTIVATIONS[activation]
+        self.norm_first = norm_first
+
+    def _sa(self, x, attn_mask, is_causal):
+        return self.dropout1(self.self_attn(x, attn_mask, is_causal))
+
+    def _ff(self, x):
+        return self.dropout2(self.linear2(self.dropout(self.activation(self.linear1(x)))))
+
+    def forward(self, x, attn_mask=None, is_causal=False):
+        if self.norm_first:
+            x = x + self._sa(self.norm1(x), attn_mask, is_causal)
+            return x + self._ff(self.norm2(x))
+        x = self.norm1(x + self._sa(x, attn_mask, is_causal))
+        return self.norm2(x + self._ff(x))
+
+    @classmethod
+    def from_torch(cls, layer, impl="flash"):
+        """An equivalent layer (same outputs) from an nn.TransformerEncoderLayer with relu or gelu."""
+        act = getattr(layer, "activation_relu_or_gelu", 0)
+        if act not in (1, 2):
+            raise ValueError("from_torch supports nn.TransformerEncoderLayer with activation 'relu' or 'gelu'")
+        sa = layer.self_attn
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            new = cls(sa.embed_dim, sa.num_heads, layer.linear1.out_features, layer.dropout.p, layer.norm_first,
+                      "relu" if act == 1 else "gelu", impl, layer.norm1.eps, bias=layer.linear1.bias is not None)
+        new = new.to(layer.linear1.weight.device, layer.linear1.weight.dtype)
+        new.self_attn = MultiHeadAttention.from_torch(sa, impl)
+        for name in ("linear1", "linear2", "norm1", "norm2"):
+            getattr(new, name).load_state_dict(getattr(layer, name).state_dict())
+        return new
+
+
+# -----------------------------------------------------------------------------
+# Config and encoder
+
+
+@dataclass
+class EncoderConfig:
+    vocab_size: int = 32  # number of token ids, 0 .. vocab_size - 1
+    max_len: int = 512  # longest sequence the positional encoding accepts
+    d_model: int = 128  # width of the residual stream
+    n_heads: int = 4  # attention heads; d_model / n_heads is the head size
+    n_layers: int = 2  # encoder layers
+    d_ff: int = 512  # hidden width of the feed-forward block (4 * d_model in the paper)
+    dropout: float = 0.0  # dropout on attention probabilities, residual branches and embeddings
+    norm_first: bool = True  # pre-LN (stable without warm-up tricks); False = post-LN as in the paper
+    activation: str = "relu"  # "relu" or "gelu"
+    impl: str = "flash"  # attention path: "naive", "chunked" or "flash"
+    pos_encoding: str = "sinusoidal"  # "sinusoidal", "learned" or "rope"
+    chunk_size: int | None = None  # block size of the chunked path; None = default_chunk_size(device)
+    window_size: int | None = None  # local attention: keys within this distance; None = global
+    layer_norm_eps: float = 1e-5  # epsilon of every LayerNorm
+
+    def __post_init__(self):
+        for name in ("vocab_size", "max_len", "d_model", "n_heads", "n_layers", "d_ff"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
+        choices = {"activation": tuple(_ACTIVATIONS), "impl": IMPLS, "pos_encoding": ("sinusoidal", "learned", "rope")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.pos_encoding == "rope" and (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"rope needs an even head size, got d_model/n_heads = {self.d_model // self.n_heads}")
+        if self.chunk_size is not None:
+            _chunks(self.chunk_size)
+        if self.window_size is not None and (not isinstance(self.window_size, int) or self.window_size < 0):
+            raise ValueError(f"window_size must be a non-negative int or None, got {self.window_size!r}")
+
+
+class Encoder(nn.Module):
+    """Token ids (B, T) -> hidden states (B, T, d_model).
+
+    h = PosEnc(Embed(idx) * sqrt(d_model)), then n_layers EncoderLayers, then a final
+    LayerNorm for pre-LN (post-LN layers already end in one).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = c = config
+        self.embed = nn.Embedding(c.vocab_size, c.d_model)
+        rope = None
+        if c.pos_encoding == "sinusoidal":
+            self.pos = SinusoidalPositionalEncoding(c.d_model, c.max_len, c.dropout)
+        elif c.pos_encoding == "learned":
+            self.pos = LearnedPositionalEncoding(c.d_model, c.max_len, c.dropout)
+        else:
+            self.pos = nn.Dropout(c.dropout)
+            rope = RotaryEmbedding(c.d_model // c.n_heads, c.max_len)
+        self.layers = nn.ModuleList(
+            EncoderLayer(c.d_model, c.n_heads, c.d_ff, c.dropout, c.norm_first, c.activation, c.impl,
+                         c.layer_norm_eps, chunk_size=c.chunk_size, window_size=c.window_size, rope=rope)
+            for _ in range(c.n_layers))
+        self.norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps) if c.norm_first else nn.Identity()
+        self.apply(self._init_weights)
+        for layer in self.layers:  # residual projections: variance of the sum grows with depth (GPT-2)
+            for w in (layer.self_attn.proj.weight, layer.linear2.weight):
+                nn.init.normal_(w, std=0.02 / math.sqrt(2 * c.n_layers))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            # the token embedding is multiplied by sqrt(d_model): this makes the product of unit scale
+            nn.init.normal_(module.weight, std=module.embedding_dim ** -0.5 if module is self.embed else 0.02)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx, attn_mask=None, is_causal=False):
+        c = self.config
+        if idx.dim() != 2 or idx.dtype.is_floating_point or idx.dtype == torch.bool:
+            raise ValueError(f"idx must be integer token ids of shape (B, T), got {tuple(idx.shape)} {idx.dtype}")
+        _check_length(idx.size(1), c.max_len)
+        if idx.numel() and (idx.min() < 0 or idx.max() >= c.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {c.vocab_size}), got min {int(idx.min())} "
+                             f"max {int(idx.max())}")
+        x = self.pos(self.embed(idx) * math.sqrt(c.d_model))  # (B, T, d_model)
+        for layer in self.layers:
+            x = layer(x, attn_mask, is_causal)
+        return self.norm(x)

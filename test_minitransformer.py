@@ -1,0 +1,436 @@
+"""Tests of minitransformer against independent oracles: PyTorch's own SDPA (math kernel,
+float64), nn.MultiheadAttention, nn.TransformerEncoderLayer and torch.autograd.gradcheck.
+
+Tolerances in low precision follow PyTorch's own attention tests: a small multiple
+of the error that PyTorch's math kernel makes in the same dtype against float64,
+plus a floor.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import minitransformer as mt
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+def run_path(impl, q, k, v, **kw):
+    """Every path through one call: flash warnings about the math kernel are expected in float64."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if impl == "chunked":
+            kw.setdefault("chunk_size", (16, 32))  # several blocks, lengths not a multiple of them
+        return mt.attention(q, k, v, impl=impl, **kw)
+
+
+def reference(q, k, v, keep=None, bias=None, dropout_p=0.0):
+    """SDPA's math kernel in float64 with an explicit mask built by the test; dead rows zeroed by hand."""
+    q, k, v = (t.double() for t in (q, k, v))
+    mask = None
+    dead = None
+    if keep is not None:
+        dead = ~keep.any(-1, keepdim=True)
+        mask = keep | dead
+    if bias is not None:
+        mask = bias.double() if mask is None else torch.zeros_like(bias, dtype=torch.double).masked_fill(~mask, -math.inf) + bias.double()
+        dead = torch.isneginf(mask).all(-1, keepdim=True)
+        mask = mask.masked_fill(dead, 0.0)
+    with sdpa_kernel(SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    return out if dead is None else out.masked_fill(dead, 0.0)
+
+
+def lowp_error(q, k, v, keep, out64, dtype):
+    """Max error of PyTorch's own math kernel in `dtype` against float64: the scale of our tolerance."""
+    mask = None if keep is None else keep | ~keep.any(-1, keepdim=True)
+    with sdpa_kernel(SDPBackend.MATH):
+        lp = F.scaled_dot_product_attention(*(t.to(dtype) for t in (q, k, v)), attn_mask=mask)
+    return (lp.double() - out64).abs().max().item()
+
+
+def make_qkv(B, H, Lq, Lk, D, Dv=None, dtype=torch.float64, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda L, d: torch.randn(B, H, L, d, generator=g, dtype=torch.float64).to(device, dtype)
+    return mk(Lq, D), mk(Lk, D), mk(Lk, Dv or D)
+
+
+def make_mask(kind, B, H, Lq, Lk, seed=0):
+    """(keep, bias, kwargs): the mask in the test's own terms, and how it is passed to the module."""
+    g = torch.Generator().manual_seed(seed)
+    tril = torch.ones(Lq, Lk, dtype=torch.bool).tril()
+    lengths = torch.randint(1, Lk + 1, (B,), generator=g)
+    pad = torch.arange(Lk)[None, :] < lengths[:, None]  # (B, Lk)
+    pad = pad[:, None, None, :]  # (B, 1, 1, Lk)
+    if kind == "none":
+        return None, None, {}
+    if kind == "bool":
+        keep = torch.rand(B, 1, Lq, Lk, generator=g) > 0.3
+        keep[:, :, 0] = False  # one fully masked row in every batch
+        return keep, None, {"attn_mask": keep}
+    if kind == "int":
+        keep = torch.rand(B, H, Lq, Lk, generator=g) > 0.5
+        return keep, None, {"attn_mask": keep.to(torch.int64)}
+    if kind == "float":
+        bias = torch.randn(Lq, Lk, generator=g, dtype=torch.float64)
+        bias[torch.rand(Lq, Lk, generator=g) > 0.7] = -math.inf
+        return None, bias, {"attn_mask": bias}
+    if kind == "causal":
+        return tril, None, {"is_causal": True}
+    if kind == "causal+pad":
+        return tril & pad, None, {"attn_mask": pad, "is_causal": True}
+    raise ValueError(kind)
+
+
+SHAPES = [(1, 1), (37, 37), (97, 97), (37, 97), (97, 37)]
+MASKS = ["none", "bool", "int", "float", "causal", "causal+pad"]
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("Lq,Lk", SHAPES)
+@pytest.mark.parametrize("mask_kind", MASKS)
+def test_paths_match_sdpa_float64(impl, Lq, Lk, mask_kind):
+    q, k, v = make_qkv(2, 3, Lq, Lk, 16, Dv=24 if impl != "flash" else 16)
+    keep, bias, kw = make_mask(mask_kind, 2, 3, Lq, Lk)
+    q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
+    q2, k2, v2 = (t.clone().requires_grad_() for t in (q, k, v))
+    out = run_path(impl, q1, k1, v1, **kw)
+    ref = reference(q2, k2, v2, keep, bias)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    dout = torch.randn_like(ref)
+    out.backward(dout)
+    ref.backward(dout)
+    for ours, theirs in ((q1, q2), (k1, k2), (v1, v2)):
+        assert torch.isfinite(ours.grad).all()
+        torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("dtype,floor", [(torch.float32, 1e-6), (torch.bfloat16, 1e-3)])
+@pytest.mark.parametrize("mask_kind", ["none", "causal+pad", "bool"])
+def test_paths_low_precision(impl, dtype, floor, mask_kind):
+    q, k, v = make_qkv(2, 4, 97, 97, 32)
+    keep, _, kw = make_mask(mask_kind, 2, 4, 97, 97)
+    out64 = reference(q, k, v, keep)
+    tol = 4 * lowp_error(q, k, v, keep, out64, dtype) + floor
+    out = run_path(impl, q.to(dtype), k.to(dtype), v.to(dtype), **kw)
+    assert out.dtype == dtype
+    assert (out.double() - out64).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_fully_masked_rows_are_zero_with_zero_grads(impl, dtype):
+    q, k, v = make_qkv(1, 2, 20, 20, 32, dtype=dtype)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    keep = torch.ones(20, 20, dtype=torch.bool)
+    keep[3] = False  # query 3 sees nothing
+    keep[:, 5] = False  # key 5 is seen by nobody
+    for mask in (keep, torch.zeros(20, 20, dtype=dtype).masked_fill(~keep, -math.inf)):
+        out = run_path(impl, q, k, v, attn_mask=mask)
+        assert torch.isfinite(out).all() and (out[:, :, 3] == 0).all()
+        gq, gk, gv = torch.autograd.grad(out.float().sum(), (q, k, v))
+        for g in (gq, gk, gv):
+            assert torch.isfinite(g).all()
+        assert (gq[:, :, 3] == 0).all() and (gk[:, :, 5] == 0).all() and (gv[:, :, 5] == 0).all()
+
+
+@pytest.mark.parametrize("kw", [{}, {"is_causal": True}, {"window_size": 5}, {"window_size": 4, "is_causal": True},
+                                {"attn_mask": "bool", "is_causal": True}, {"attn_mask": "float"}])
+def test_chunked_gradcheck(kw):
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 13, 11, 8, Dv=6))
+    kw = dict(kw)
+    if kw.get("attn_mask") == "bool":
+        kw["attn_mask"] = torch.rand(1, 1, 13, 11, generator=torch.Generator().manual_seed(1)) > 0.4
+    elif kw.get("attn_mask") == "float":
+        kw["attn_mask"] = torch.randn(13, 11, dtype=torch.float64)
+    f = lambda q, k, v: mt.chunked_attention(q, k, v, chunk_size=(4, 3), **kw)
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_chunked_dropout_backward_uses_forward_mask():
+    # gradcheck needs a deterministic function: re-seeding before each call fixes the
+    # forward's mask; the analytic backward must then regenerate exactly that mask.
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 9, 10, 4))
+
+    def f(q, k, v):
+        torch.manual_seed(123)
+        return mt.chunked_attention(q, k, v, dropout_p=0.3, chunk_size=(4, 3))
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+@pytest.mark.parametrize("impl", ["naive", "chunked"])
+def test_dropout_semantics(impl):
+    # with v = identity, out = P * Z / (1 - p): every kept weight equals P / (1 - p)
+    Lq, Lk, p = 64, 48, 0.25
+    q, k, _ = make_qkv(2, 2, Lq, Lk, 8)
+    v = torch.eye(Lk, dtype=torch.float64).expand(2, 2, Lk, Lk)
+    probs = reference(q, k, v)  # = P
+    torch.manual_seed(0)
+    out = mt.attention(q, k, v, dropout_p=p, impl=impl, chunk_size=(16, 16))
+    kept = out != 0
+    frac_dropped = 1 - kept.double().mean().item()
+    assert abs(frac_dropped - p) < 0.02  # 12288 draws: 5 sigma is about 0.02
+    torch.testing.assert_close(out[kept], probs[kept] / (1 - p))
+
+
+def test_flash_reports_and_runs_the_fused_kernel_on_cpu():
+    q, k, v = make_qkv(1, 2, 64, 64, 32, dtype=torch.float32)
+    assert mt.sdpa_kernel_name(q, k, v) == "flash"
+    with torch.profiler.profile() as prof:
+        mt.flash_attention(q, k, v, attn_mask=torch.ones(64, 64, dtype=torch.bool), is_causal=True)
+    names = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names
+    assert not any("_scaled_dot_product_attention_math" in n for n in names)
+
+
+def test_flash_never_falls_back_silently():
+    q, k, v = make_qkv(1, 2, 16, 16, 32, dtype=torch.float32)
+    assert mt.sdpa_kernel_name(q, k, v, dropout_p=0.1) == "math"  # no fused CPU kernel has dropout
+    with pytest.warns(UserWarning, match="math kernel"):
+        mt.flash_attention(q, k, v, dropout_p=0.1)
+    with pytest.raises(RuntimeError, match="no fused SDPA kernel"):
+        mt.flash_attention(q, k, v, dropout_p=0.1, on_math="raise")
+    with sdpa_kernel(SDPBackend.MATH):  # a caller's restriction is seen too
+        assert mt.sdpa_kernel_name(q, k, v) == "math"
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_sliding_window_matches_explicit_mask(impl, causal):
+    L, w = 45, 6
+    q, k, v = make_qkv(1, 2, L, L, 8)
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    keep = (i - j).abs() <= w
+    if causal:
+        keep &= j <= i
+    out = run_path(impl, q, k, v, window_size=w, is_causal=causal)
+    torch.testing.assert_close(out, reference(q, k, v, keep), atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("chunk_size", [(3, 4), (4, 3), (5, 5)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_chunked_block_skipping_at_every_window_edge(chunk_size, causal):
+    # every window size from 0 up, with blocks that end just inside and just outside it
+    L = 23
+    q, k, v = make_qkv(1, 1, L, L, 4)
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    for w in range(0, 12):
+        keep = ((i - j).abs() <= w) & ((j <= i) | (not causal))
+        out = mt.chunked_attention(q, k, v, window_size=w, is_causal=causal, chunk_size=chunk_size)
+        torch.testing.assert_close(out, reference(q, k, v, keep), atol=1e-10, rtol=1e-10)
+
+
+def test_chunked_saves_no_quadratic_tensor():
+    # what autograd keeps for the backward decides training memory: the chunked path must keep
+    # only (L, D)-sized tensors, while the naive path keeps the (L, L) weights.
+    L = 256
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, L, L, 16, dtype=torch.float32))
+
+    def largest_saved(fn):
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+            fn()
+        return max(sizes)
+    assert largest_saved(lambda: mt.chunked_attention(q, k, v, chunk_size=64)) <= 2 * L * 16
+    assert largest_saved(lambda: mt.naive_attention(q, k, v)) >= 2 * L * L
+
+
+def test_mask_helpers():
+    torch.testing.assert_close(mt.causal_mask(3, 4), torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]]).bool())
+    pad = mt.padding_mask(torch.tensor([2, 0, 3]), 3)
+    assert pad.shape == (3, 1, 1, 3)
+    assert pad[:, 0, 0].tolist() == [[True, True, False], [False, False, False], [True, True, True]]
+    with pytest.raises(ValueError, match="lengths"):
+        mt.padding_mask(torch.tensor([4]), 3)
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_mha_matches_torch(impl, bias):
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(64, 4, bias=bias, batch_first=True).double().eval()
+    ours = mt.MultiHeadAttention.from_torch(ref, impl=impl).eval()
+    x = torch.randn(3, 29, 64, dtype=torch.float64)
+    lengths = torch.tensor([29, 10, 1])
+    keep = mt.padding_mask(lengths, 29)
+    y_ref, w_ref = ref(x, x, x, key_padding_mask=~keep[:, 0, 0], average_attn_weights=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        y = ours(x, attn_mask=keep)
+    y2, w = ours(x, attn_mask=keep, need_weights=True)
+    torch.testing.assert_close(y, y_ref, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(y2, y_ref, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(w, w_ref, atol=1e-12, rtol=1e-10)
+
+
+def test_mha_causal_matches_torch():
+    torch.manual_seed(1)
+    ref = nn.MultiheadAttention(64, 2, batch_first=True).double().eval()
+    ours = mt.MultiHeadAttention.from_torch(ref, impl="chunked").eval()
+    x = torch.randn(2, 40, 64, dtype=torch.float64)
+    y_ref, _ = ref(x, x, x, attn_mask=~mt.causal_mask(40), need_weights=False)  # torch: True = masked
+    torch.testing.assert_close(ours(x, is_causal=True), y_ref, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("impl", mt.IMPLS)
+def test_encoder_layer_matches_torch(norm_first, activation, impl):
+    torch.manual_seed(0)
+    ref = nn.TransformerEncoderLayer(64, 2, 96, dropout=0.1, activation=activation, norm_first=norm_first,
+                                     batch_first=True).double().eval()
+    ours = mt.EncoderLayer.from_torch(ref, impl=impl).eval()
+    x = torch.randn(3, 23, 64, dtype=torch.float64)
+    lengths = torch.tensor([23, 7, 15])
+    keep = mt.padding_mask(lengths, 23)
+    torch.backends.mha.set_fastpath_enabled(False)  # the fast path zeroes padded outputs; compare the math
+    try:
+        y_ref = ref(x, src_key_padding_mask=~keep[:, 0, 0])
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        y = ours(x, attn_mask=keep)
+    torch.testing.assert_close(y, y_ref, atol=1e-10, rtol=1e-10)
+
+
+def test_encoder_layer_float32_matches_torch_fast_path():
+    # float32, eval: torch's fused encoder fast path on the real (unpadded) positions
+    torch.manual_seed(0)
+    ref = nn.TransformerEncoderLayer(64, 2, 96, batch_first=True).eval()
+    ours = mt.EncoderLayer.from_torch(ref).eval()
+    x = torch.randn(2, 31, 64)
+    keep = mt.padding_mask(torch.tensor([31, 12]), 31)
+    with torch.no_grad():
+        y_ref = ref(x, src_key_padding_mask=~keep[:, 0, 0])
+        y = ours(x, attn_mask=keep)
+    real = keep[:, 0, 0]
+    torch.testing.assert_close(y[real], y_ref[real], atol=1e-5, rtol=1e-4)
+
+
+def test_sinusoidal_encoding_formula():
+    d, L = 10, 7
+    pe = mt.SinusoidalPositionalEncoding(d, 16)
+    x = torch.zeros(1, L, d)
+    got = pe(x)[0]
+    for pos in range(L):
+        for i in range(d):
+            angle = pos / 10000 ** (2 * (i // 2) / d)
+            want = math.sin(angle) if i % 2 == 0 else math.cos(angle)
+            assert abs(got[pos, i].item() - want) < 1e-6
+
+
+def test_rope_matches_complex_rotation_and_is_relative():
+    hs, L = 8, 12
+    rope = mt.RotaryEmbedding(hs, 32)
+    x = torch.randn(1, 1, L, hs, dtype=torch.float64)
+    got = rope(x)
+    # independent form: pair (x_i, x_{i+hs/2}) as a complex number times e^{i * pos * theta_i}
+    theta = 10000.0 ** (-torch.arange(0, hs, 2, dtype=torch.float64) / hs)
+    z = torch.complex(x[..., : hs // 2], x[..., hs // 2:]) * torch.polar(
+        torch.ones(L, hs // 2, dtype=torch.float64), torch.arange(L, dtype=torch.float64)[:, None] * theta)
+    torch.testing.assert_close(got, torch.cat([z.real, z.imag], -1), atol=1e-6, rtol=1e-6)
+    # the score of (m, n) depends on m - n only
+    q = torch.randn(hs, dtype=torch.float64).expand(1, 1, L, hs)
+    k = torch.randn(hs, dtype=torch.float64).expand(1, 1, L, hs)
+    s = rope(q)[0, 0] @ rope(k)[0, 0].T
+    torch.testing.assert_close(s[5, 2], s[9, 6], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("pos_encoding", ["sinusoidal", "learned", "rope"])
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_encoder_paths_agree_and_padding_is_respected(pos_encoding, norm_first):
+    torch.manual_seed(0)
+    cfg = mt.EncoderConfig(vocab_size=50, max_len=64, d_model=64, n_heads=2, n_layers=2, d_ff=128,
+                           pos_encoding=pos_encoding, norm_first=norm_first, chunk_size=8)
+    models = {}
+    for impl in mt.IMPLS:
+        torch.manual_seed(0)
+        models[impl] = mt.Encoder(mt.EncoderConfig(**{**cfg.__dict__, "impl": impl})).eval()
+    idx = torch.randint(0, 50, (2, 33))
+    keep = mt.padding_mask(torch.tensor([33, 20]), 33)
+    outs = {impl: m(idx, attn_mask=keep) for impl, m in models.items()}
+    assert outs["naive"].shape == (2, 33, 64)
+    torch.testing.assert_close(outs["chunked"], outs["naive"], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(outs["flash"], outs["naive"], atol=1e-5, rtol=1e-4)
+    # changing a padded token must not change any real position
+    idx2 = idx.clone()
+    idx2[1, 25] = (idx2[1, 25] + 1) % 50
+    torch.testing.assert_close(models["naive"](idx2, attn_mask=keep)[1, :20], outs["naive"][1, :20])
+    assert models["naive"].num_params() == sum(p.numel() for p in models["naive"].parameters())
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_inputs_raise_clear_errors():
+    q, k, v = make_qkv(1, 2, 8, 8, 16)
+    with pytest.raises(ValueError, match="d_model=30 is not divisible by n_heads=4"):
+        mt.MultiHeadAttention(30, 4)
+    with pytest.raises(ValueError, match="d_model=30 is not divisible by n_heads=4"):
+        mt.EncoderConfig(d_model=30, n_heads=4)
+    with pytest.raises(ValueError, match=r"impl must be one of \('naive', 'chunked', 'flash'\)"):
+        mt.attention(q, k, v, impl="fast")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        mt.EncoderConfig(impl="fast")
+    with pytest.raises(ValueError, match=r"q must be 4-D .* got shape \(2, 8, 16\)"):
+        mt.attention(q[0], k, v)
+    with pytest.raises(ValueError, match=r"expected x of shape \(B, T, 64\), got \(2, 5, 32\)"):
+        mt.MultiHeadAttention(64, 2)(torch.randn(2, 5, 32))
+    with pytest.raises(ValueError, match="expected x of shape"):
+        mt.MultiHeadAttention(64, 2)(torch.randn(5, 64))
+    model = mt.Encoder(mt.EncoderConfig(vocab_size=10, max_len=8, d_model=64, n_heads=2))
+    with pytest.raises(ValueError, match="sequence length 9 exceeds max_len=8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 10\), got min 0 max 10"):
+        model(torch.tensor([[0, 10]]))
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 10\), got min -1"):
+        model(torch.tensor([[-1, 3]]))
+    with pytest.raises(ValueError, match="integer token ids"):
+        model(torch.zeros(1, 4))
+    for impl in mt.IMPLS:
+        with pytest.raises(ValueError, match=r"attn_mask of shape \(3, 8\) does not broadcast to .* \(1, 2, 8, 8\)"):
+            mt.attention(q, k, v, attn_mask=torch.ones(3, 8, dtype=torch.bool), impl=impl)
+        with pytest.raises(TypeError, match="attn_mask must be bool, integer or floating"):
+            mt.attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.complex64), impl=impl)
+    with pytest.raises(ValueError, match="dropout_p must lie in"):
+        mt.attention(q, k, v, dropout_p=1.0)
+    with pytest.raises(ValueError, match="window_size"):
+        mt.attention(q, k, v, window_size=-1)
+    with pytest.raises(ValueError, match="must share the head dim"):
+        mt.attention(q, k[..., :8], v)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        mt.EncoderLayer(64, 2, 128, activation="swish")
+    with pytest.warns(UserWarning, match="head size d_model/n_heads = 16 is below 32"):
+        mt.MultiHeadAttention(64, 4)
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+@needs_cuda
+@pytest.mark.parametrize("impl", mt.IMPLS)
+def test_cuda_bf16_matches_float64(impl):
+    q, k, v = make_qkv(2, 4, 257, 257, 64)
+    keep, _, kw = make_mask("causal+pad", 2, 4, 257, 257)
+    out64 = reference(q, k, v, keep)
+    tol = 4 * lowp_error(q, k, v, keep, out64, torch.bfloat16) + 1e-3
+    kw = {name: (t.cuda() if torch.is_tensor(t) else t) for name, t in kw.items()}
+    out = run_path(impl, *(t.cuda().bfloat16() for t in (q, k, v)), **kw)
+    assert (out.double().cpu() - out64).abs().max().item() <= tol
+
+
+@needs_cuda
+def test_cuda_flash_kernel_is_fused():
+    q, k, v = make_qkv(2, 4, 256, 256, 64, dtype=torch.bfloat16, device="cuda")
+    assert mt.sdpa_kernel_name(q, k, v, is_causal=True) in ("flash", "cudnn", "efficient")
