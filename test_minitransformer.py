@@ -434,3 +434,104 @@ def test_cuda_bf16_matches_float64(impl):
 def test_cuda_flash_kernel_is_fused():
     q, k, v = make_qkv(2, 4, 256, 256, 64, dtype=torch.bfloat16, device="cuda")
     assert mt.sdpa_kernel_name(q, k, v, is_causal=True) in ("flash", "cudnn", "efficient")
+
+
+# ----------------------------------------------------------------------------- study.py
+
+import study  # noqa: E402  (the study's tests are grouped here, after the module's)
+
+
+def test_attention_flops_follow_flashattention_convention():
+    assert study.attention_flops(2, 3, 128, 64) == 4 * 2 * 3 * 128 * 128 * 64
+    assert study.attention_flops(2, 3, 128, 64, causal=True) == 4 * 2 * 3 * 128 * 128 * 64 / 2
+    assert study.attention_flops(2, 3, 128, 64, mode="fwd+bwd") == 3.5 * study.attention_flops(2, 3, 128, 64)
+    n, w = 11, 3  # with a window, exactly the visible pairs count
+    local = sum(1 for i in range(n) for j in range(n) if abs(i - j) <= w)
+    local_causal = sum(1 for i in range(n) for j in range(n) if 0 <= i - j <= w)
+    assert study.attention_flops(1, 1, n, 1, window=w) == 4 * local
+    assert study.attention_flops(1, 1, n, 1, causal=True, window=w) == 4 * local_causal
+
+
+def test_fit_exponent():
+    ns = [256, 512, 1024, 2048, 4096]
+    assert abs(study.fit_exponent(ns, [3.0 * n**2 for n in ns]) - 2.0) < 1e-9
+    assert abs(study.fit_exponent(ns, [5.0 * n + 1e6 / n**3 for n in ns]) - 1.0) < 0.01  # the largest n decide
+    assert math.isnan(study.fit_exponent([256], [1.0]))
+
+
+def fake_runner(calls, oom=lambda s: False, fail=lambda s: False):
+    """Stands in for the worker: quadratic time, linear memory; injects OOM or a real bug."""
+    def run(spec):
+        if spec.get("kind") == "matmul":
+            return {"tflops": 1.0}
+        calls.append((spec["series"], spec["mode"], spec["n"]))
+        if oom(spec):
+            raise study.PointOOM("injected")
+        if fail(spec):
+            raise ValueError("a real bug")
+        return {"kernel": spec["path"], "ms": spec["n"] ** 2 / 1e4, "peak_mib": spec["n"] / 10}
+    return run
+
+
+ARGS = ["--device", "cpu", "--lengths", "64,128,256", "--series", "naive,chunked", "--heads", "2", "--head-dim", "16"]
+
+
+def test_sweep_records_oom_and_goes_on(tmp_path):
+    calls = []
+    study.main(ARGS + ["--out", str(tmp_path)], runner=fake_runner(
+        calls, oom=lambda s: s["series"] == "naive" and s["mode"] == "fwd+bwd" and s["n"] >= 128))
+    rows = study.read_rows(tmp_path / "study.csv")
+    status = {(r["series"], r["mode"], int(r["n"])): r["status"] for r in rows}
+    assert status[("naive", "fwd+bwd", 64)] == "ok"
+    assert status[("naive", "fwd+bwd", 128)].startswith("oom")
+    assert status[("naive", "fwd+bwd", 256)].startswith("skipped")
+    assert ("naive", "fwd+bwd", 256) not in calls  # the curve stops: nothing run past the OOM
+    assert all(status[("chunked", m, n)] == "ok" for m in study.MODES for n in (64, 128, 256))
+    for name in ("memory.png", "time.png", "speedup.png", "summary.md"):
+        assert (tmp_path / name).stat().st_size > 0
+
+
+def test_sweep_fails_loudly_on_a_real_error_and_keeps_earlier_rows(tmp_path):
+    calls = []
+    with pytest.raises(ValueError, match="a real bug"):
+        study.main(ARGS + ["--out", str(tmp_path)], runner=fake_runner(calls, fail=lambda s: s["n"] == 128))
+    rows = study.read_rows(tmp_path / "study.csv")
+    assert {int(r["n"]) for r in rows} == {64} and len(rows) == 4
+
+
+def test_resume_skips_measured_points_and_old_results_are_kept(tmp_path):
+    first = []
+    study.main(ARGS[:3] + ["64,128"] + ARGS[4:] + ["--out", str(tmp_path)], runner=fake_runner(first))
+    assert len(first) == 8
+    again = []
+    study.main(ARGS + ["--out", str(tmp_path), "--resume"], runner=fake_runner(again))
+    assert {n for _, _, n in again} == {256}
+    assert len(study.read_rows(tmp_path / "study.csv")) == 12
+    fresh = []
+    study.main(ARGS + ["--out", str(tmp_path)], runner=fake_runner(fresh))  # no --resume: old CSV set aside
+    assert len(fresh) == 12
+    kept = [p for p in tmp_path.glob("study-*.csv")]
+    assert len(kept) == 1 and len(study.read_rows(kept[0])) == 12
+
+
+@pytest.mark.parametrize("argv", [["--lengths", "abc"], ["--lengths", "0,64"], ["--heads", "0"], ["--window", "-1"],
+                                  ["--series", "nope"], ["--dtype", "float8"], ["--target-seconds", "0"]])
+def test_bad_study_options_are_argparse_errors(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        study.main(["--device", "cpu"] + argv)
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_study_end_to_end_measures_real_memory(tmp_path):
+    # a real worker process: the naive forward at n=512 must hold its (H, n, n) float32 scores
+    # and softmax output at once; the chunked forward never holds them
+    study.main(["--device", "cpu", "--lengths", "128,512", "--series", "naive,chunked,flash", "--heads", "4",
+                "--head-dim", "16", "--mode", "fwd", "--out", str(tmp_path), "--target-seconds", "0.02"])
+    rows = {(r["series"], int(r["n"])): r for r in study.read_rows(tmp_path / "study.csv")}
+    assert all(r["status"] == "ok" for r in rows.values())
+    scores_mib = 4 * 512 * 512 * 4 / 2**20
+    assert float(rows[("naive", 512)]["peak_mib"]) >= 1.8 * scores_mib
+    assert float(rows[("chunked", 512)]["peak_mib"]) < float(rows[("naive", 512)]["peak_mib"]) / 2
+    assert rows[("flash", 512)]["kernel"] == "flash"
+    assert "Claims checked" in (tmp_path / "summary.md").read_text()
