@@ -718,3 +718,391 @@ class Encoder(nn.Module):
         for layer in self.layers:
             x = layer(x, attn_mask, is_causal)
         return self.norm(x)
+
+    def attention_weights(self, idx, attn_mask=None, is_causal=False, layer=-1):
+        """Attention probabilities (B, H, T, T) of one layer, through the naive path: what a heatmap shows."""
+        layer = range(len(self.layers))[layer]  # negative indices count from the last layer
+        x = self.pos(self.embed(idx) * math.sqrt(self.config.d_model))
+        for block in self.layers[:layer]:
+            x = block(x, attn_mask, is_causal)
+        block = self.layers[layer]
+        x = block.norm1(x) if block.norm_first else x  # the input its attention sees
+        return block.self_attn(x, attn_mask, is_causal, need_weights=True)[1]
+
+
+class TokenClassifier(nn.Module):
+    """Encoder plus a linear head: logits (B, T, vocab_size) for one output token per position."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.encoder = Encoder(config)
+        self.head = nn.Linear(config.d_model, config.vocab_size)
+        nn.init.normal_(self.head.weight, std=0.02)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, idx, attn_mask=None):
+        return self.head(self.encoder(idx, attn_mask))
+
+
+# -----------------------------------------------------------------------------
+# Training: a task that needs attention, mixed precision, checkpoints, DDP
+
+PAD = 0  # token id of padding; real tokens are 1 .. vocab_size - 1
+
+
+def reverse_batch(B, min_len, max_len, vocab_size, gen):
+    """A batch of the reversal task: x = t_1 .. t_L, y = t_L .. t_1, each padded to max_len.
+
+    L varies per sequence, so output i must read input L - 1 - i, a position that
+    depends on the sequence's own length: impossible without attention across
+    positions, and the padding mask matters (a padded key would shift the answer).
+    Returns x, y (B, max_len) and the lengths (B,).
+    """
+    lengths = torch.randint(min_len, max_len + 1, (B,), generator=gen)
+    x = torch.randint(1, vocab_size, (B, max_len), generator=gen)
+    pos = torch.arange(max_len)
+    src = (lengths[:, None] - 1 - pos[None, :]).clamp(min=0)  # (B, T): input position output i reads
+    y = torch.gather(x, 1, src)
+    real = pos[None, :] < lengths[:, None]  # (B, T)
+    return x.masked_fill(~real, PAD), y.masked_fill(~real, PAD), lengths
+
+
+def _choices(*values):
+    return {"choices": values}
+
+
+def _arg(default, help, **kw):
+    from dataclasses import field
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _arg(1500, "optimizer steps; the learning-rate schedule spans them")
+    batch_size: int = _arg(64, "sequences per step and per process")
+    lr: float = _arg(2e-3, "peak learning rate of AdamW")
+    weight_decay: float = _arg(0.01, "AdamW weight decay of weight matrices (never of biases or norms)")
+    warmup: int = _arg(100, "steps of linear warm-up before the cosine decay")
+    min_lr_ratio: float = _arg(0.1, "the cosine decays to this fraction of --lr")
+    label_smoothing: float = _arg(0.1, "label smoothing of the cross-entropy (0.1 in the paper)")
+    clip: float = _arg(1.0, "clip the gradient norm to this (after unscaling); 0 disables")
+    amp: str = _arg("off", "mixed precision: bf16 autocast (CPU or GPU), or fp16 autocast with a gradient scaler",
+                    **_choices("off", "bf16", "fp16"))
+    impl: str = _arg("flash", "attention path", **_choices(*IMPLS))
+    pos_encoding: str = _arg("sinusoidal", "positional encoding", **_choices("sinusoidal", "learned", "rope"))
+    d_model: int = _arg(64, "model width")
+    n_heads: int = _arg(2, "attention heads")
+    n_layers: int = _arg(2, "encoder layers")
+    d_ff: int = _arg(256, "feed-forward width")
+    dropout: float = _arg(0.0, "dropout (the task has unlimited data: none is needed)")
+    norm_first: bool = _arg(True, "pre-LN (--no-norm-first for the paper's post-LN)")
+    vocab_size: int = _arg(32, "task vocabulary, padding included")
+    min_len: int = _arg(4, "shortest task sequence")
+    max_len: int = _arg(32, "longest task sequence (sequences are padded to it)")
+    eval_size: int = _arg(2000, "held-out sequences, drawn from a stream training never sees")
+    device: str = _arg("auto", "auto, cpu, cuda or cuda:N")
+    seed: int = _arg(0, "seed of the model, the data and dropout")
+    log_every: int = _arg(100, "steps between progress lines")
+    eval_every: int = _arg(100, "steps between held-out evaluations")
+    out: str | None = _arg(None, "checkpoint path, written atomically every --save-every steps and at the end")
+    save_every: int = _arg(500, "steps between checkpoints (with --out)")
+    resume: str | None = _arg(None, "continue from this checkpoint")
+    stop_after: int | None = _arg(None, "stop after this step as if interrupted (the schedule still spans --steps)")
+    heatmap: str | None = _arg("runs/attention.png", "PNG of one held-out example's attention after training ('' for none)")
+    heatmap_layer: int = _arg(-1, "layer of the heatmap (-1: the last)")
+    heatmap_head: int = _arg(0, "head of the heatmap")
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "log_every", "eval_every", "save_every", "eval_size", "min_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_len < self.min_len:
+            raise ValueError(f"max_len={self.max_len} must be >= min_len={self.min_len}")
+        if self.vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2 (padding and one token), got {self.vocab_size}")
+        if not (self.lr > 0 and 0 <= self.label_smoothing < 1 and self.clip >= 0 and self.warmup >= 0):
+            raise ValueError(f"need lr > 0, 0 <= label_smoothing < 1, clip >= 0, warmup >= 0; got lr={self.lr}, "
+                             f"label_smoothing={self.label_smoothing}, clip={self.clip}, warmup={self.warmup}")
+        for name in ("amp", "impl", "pos_encoding"):
+            allowed = TrainConfig.__dataclass_fields__[name].metadata["choices"]
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    def model_config(self):
+        return EncoderConfig(vocab_size=self.vocab_size, max_len=self.max_len, d_model=self.d_model,
+                             n_heads=self.n_heads, n_layers=self.n_layers, d_ff=self.d_ff, dropout=self.dropout,
+                             norm_first=self.norm_first, impl=self.impl, pos_encoding=self.pos_encoding)
+
+
+def lr_factor(step, warmup, steps, min_ratio):
+    """Linear warm-up to 1 over `warmup` steps, then cosine decay to `min_ratio` at `steps`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model, lr, weight_decay):
+    """AdamW; weight decay on matrices only: decaying biases and LayerNorm gains only hurts."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-9)  # betas, eps of the paper
+
+
+def optimizer_step(loss, model, optimizer, scaler, clip):
+    """backward, unscale, clip, step; returns the gradient norm before clipping and whether the step ran.
+
+    The order matters: with fp16 the gradients are multiplied by the loss scale, so
+    they must be unscaled before their norm is clipped; clipping scaled gradients
+    (the classic bug) clips almost every step to a tiny fraction of 1.0.
+    """
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if clip > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    scale = scaler.get_scale() if scaler.is_enabled() else None
+    scaler.step(optimizer)  # skipped by the scaler when the gradients hold inf or NaN
+    scaler.update()
+    stepped = scale is None or scaler.get_scale() >= scale  # the scale shrinks exactly when a step is skipped
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm), stepped
+
+
+_CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "scheduler", "step", "rng", "model_config"}
+
+
+def save_checkpoint(path, state):
+    """Write atomically: a temporary file, then a rename, so a crash never leaves half a checkpoint."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path):
+    """Load with weights_only=True: tensors and plain containers only, a checkpoint cannot run code."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # truncated zip, garbage bytes, a pickle that wants to run code, ...
+        raise ValueError(f"cannot read checkpoint {path!r}: it is corrupt, truncated or not a torch checkpoint "
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
+    missing = _CHECKPOINT_KEYS - set(state) if isinstance(state, dict) else _CHECKPOINT_KEYS
+    if missing:
+        raise ValueError(f"{path!r} is not a minitransformer checkpoint: missing {sorted(missing)}")
+    return state
+
+
+def _setup_distributed(device):
+    """Initialise torch.distributed under torchrun (RANK, WORLD_SIZE set); returns (rank, world_size)."""
+    if "RANK" not in os.environ:
+        return 0, 1
+    import torch.distributed as dist
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+@torch.no_grad()
+def evaluate(model, data, amp_ctx):
+    """Held-out token accuracy (real positions only) and exact-sequence accuracy."""
+    model.eval()
+    x, y, lengths = data
+    with amp_ctx():
+        pred = model(x, padding_mask(lengths, x.size(1))).argmax(-1)
+    model.train()
+    real = y != PAD
+    correct = (pred == y) & real
+    return {"accuracy": correct.sum().item() / real.sum().item(),
+            "seq_accuracy": (correct.sum(1) == real.sum(1)).float().mean().item()}
+
+
+def save_heatmap(model, data, cfg, path):
+    """One held-out example: attention of layer cfg.heatmap_layer, head cfg.heatmap_head, as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    x, y, lengths = (t[:1] for t in data)
+    L = int(lengths[0])
+    model.eval()
+    with torch.no_grad():
+        w = model.encoder.attention_weights(x, padding_mask(lengths, x.size(1)), layer=cfg.heatmap_layer)
+    w = w[0, cfg.heatmap_head, :L, :L].float().cpu().numpy()  # (L, L): query rows, key columns
+    tokens = [str(t) for t in x[0, :L].tolist()]
+    fig, ax = plt.subplots(figsize=(6, 5.4))
+    im = ax.imshow(w, cmap="viridis", vmin=0, vmax=1)
+    ax.set_xticks(range(L), tokens, fontsize=7)
+    ax.set_yticks(range(L), [f"{i}->{t}" for i, t in enumerate(y[0, :L].tolist())], fontsize=7)
+    ax.set_xlabel("key: input token")
+    ax.set_ylabel("query: position -> target token")
+    layer = range(cfg.n_layers)[cfg.heatmap_layer]
+    ax.set_title(f"reversal task, layer {layer}, head {cfg.heatmap_head} ({cfg.impl}, {cfg.pos_encoding})", fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def train(cfg, log=print):
+    """Train a TokenClassifier on the reversal task; returns the final metrics (a dict).
+
+    One process, or one of many under torchrun (DistributedDataParallel: each rank
+    draws its own batches, gradients are averaged, rank 0 alone logs and saves).
+    """
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
+    if "LOCAL_RANK" in os.environ and device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    rank, world = _setup_distributed(device)
+    say = log if rank == 0 else (lambda *a, **k: None)
+    try:
+        return _train(cfg, device, rank, world, say)
+    finally:
+        if world > 1:
+            torch.distributed.destroy_process_group()
+
+
+def _train(cfg, device, rank, world, say):
+    amp_dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.amp]
+
+    def amp_ctx():
+        return torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+    try:  # fail now, not deep inside the first step
+        with amp_ctx():
+            torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)
+        scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
+    except (RuntimeError, ValueError) as e:
+        raise RuntimeError(f"--amp {cfg.amp} is not supported on {device} by torch {torch.__version__}: {e}") from e
+
+    state = load_checkpoint(cfg.resume) if cfg.resume else None
+    mcfg = EncoderConfig(**state["model_config"]) if state else cfg.model_config()
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    model = TokenClassifier(mcfg).to(device)
+    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
+    start = 0
+    if state:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        start = state["step"]
+        rng = state["rng"][rank]  # every rank's own dropout stream
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], device)
+        say(f"resumed from {cfg.resume} at step {start}")
+    else:
+        torch.manual_seed(cfg.seed + 1 + rank)  # dropout differs per rank, as the data does
+    ddp = model
+    if world > 1:
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    held_out = reverse_batch(cfg.eval_size, cfg.min_len, cfg.max_len, mcfg.vocab_size,
+                             torch.Generator().manual_seed(2**40 + cfg.seed))  # a stream training never draws from
+    held_out = tuple(t.to(device) for t in held_out)
+    say(f"model: {model.encoder.num_params():,} parameters in the encoder; {mcfg}")
+    say(f"training on {device} x {world} process(es), amp={cfg.amp}, impl={mcfg.impl}, steps {start}..{cfg.steps}")
+
+    def checkpoint(step):
+        rngs = [{"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}]
+        if world > 1:
+            gathered = [None] * world
+            torch.distributed.all_gather_object(gathered, rngs[0])
+            rngs = gathered
+        if rank == 0:
+            from dataclasses import asdict
+            save_checkpoint(cfg.out, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                      "scaler": scaler.state_dict(), "scheduler": scheduler.state_dict(),
+                                      "step": step, "rng": rngs, "model_config": asdict(mcfg)})
+
+    t_start = time.time()
+    t_log, tokens, skipped, reached = time.time(), 0, 0, None
+    metrics = {}
+    loss_value = float("nan")
+    last = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
+    for step in range(start, last):
+        # the batch is a function of (seed, rank, step) alone: resuming needs no data-loader state
+        gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 1009 + rank)
+        x, y, lengths = (t.to(device) for t in reverse_batch(cfg.batch_size, cfg.min_len, cfg.max_len,
+                                                              mcfg.vocab_size, gen))
+        with amp_ctx():
+            logits = ddp(x, padding_mask(lengths, x.size(1)))
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1), ignore_index=PAD,
+                                   label_smoothing=cfg.label_smoothing)
+        loss_value = loss.item()
+        if not math.isfinite(loss_value) and cfg.amp != "fp16":  # fp16: the scaler skips such steps itself
+            raise FloatingPointError(f"loss is {loss_value} at step {step + 1}: stopping; no checkpoint is written "
+                                     "from this state (lower --lr, or use --amp bf16/off)")
+        norm, stepped = optimizer_step(loss, ddp, optimizer, scaler, cfg.clip)
+        skipped += not stepped
+        scheduler.step()
+        tokens += int(lengths.sum()) * world
+        done = step + 1
+        if done % cfg.log_every == 0 or done == last:
+            acc = ((logits.argmax(-1) == y) & (y != PAD)).sum().item() / (y != PAD).sum().item()
+            now = time.time()
+            say(f"step {done:5d} | loss {loss_value:.4f} | acc {acc:.3f} | lr {scheduler.get_last_lr()[0]:.2e} | "
+                f"grad norm {norm:.3f} | {tokens / (now - t_log):,.0f} tok/s" + (f" | skipped {skipped}" if skipped else ""))
+            t_log, tokens = now, 0
+        if rank == 0 and (done % cfg.eval_every == 0 or done == last):
+            metrics = evaluate(model, held_out, amp_ctx)
+            if reached is None and metrics["accuracy"] >= 0.99:
+                reached = (done, time.time() - t_start)
+                say(f"held-out accuracy {metrics['accuracy']:.4f} >= 0.99 at step {done}, {reached[1]:.1f} s")
+        if cfg.out and (done % cfg.save_every == 0 or done == last):
+            checkpoint(done)
+    seconds = time.time() - t_start
+    result = {"step": last, "loss": loss_value, "skipped_steps": skipped, "seconds": seconds,
+              "steps_to_99": reached[0] if reached else None, "seconds_to_99": reached[1] if reached else None}
+    if rank == 0:
+        metrics = metrics or evaluate(model, held_out, amp_ctx)
+        result.update(metrics)
+        if cfg.heatmap:
+            save_heatmap(model, held_out, cfg, cfg.heatmap)
+            say(f"attention heatmap: {cfg.heatmap}")
+    if world > 1:  # DDP keeps the ranks' parameters identical: check it, do not assume it
+        flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        torch.distributed.all_gather(gathered, flat)
+        result["max_param_diff_across_ranks"] = max((g - gathered[0]).abs().max().item() for g in gathered)
+        say(f"max parameter difference across {world} ranks: {result['max_param_diff_across_ranks']:.3g}")
+    if rank == 0:
+        say(f"accuracy={result['accuracy']:.4f} (held-out tokens; {result['seq_accuracy']:.3f} of sequences exact; "
+            f"loss {loss_value:.4f}; {last} steps in {seconds:.1f} s; skipped steps {skipped}; impl={mcfg.impl}, "
+            f"amp={cfg.amp})")
+    return result
+
+
+# -----------------------------------------------------------------------------
+# Command line: python minitransformer.py --help
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Train a small Transformer encoder to reverse variable-length "
+                                            "sequences; prints held-out accuracy. Runs under torchrun too.")
+    for name, f in TrainConfig.__dataclass_fields__.items():
+        flag = "--" + name.replace("_", "-")
+        if f.type is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+            continue
+        kind = {int: int, float: float, str: str, int | None: int, str | None: str}[f.type]
+        p.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
+                       help=f.metadata["help"] + " (default: %(default)s)")
+    args = p.parse_args(argv)
+    try:
+        return TrainConfig(**vars(args))
+    except ValueError as e:
+        p.error(str(e))
+
+
+if __name__ == "__main__":
+    train(parse_args())

@@ -535,3 +535,140 @@ def test_study_end_to_end_measures_real_memory(tmp_path):
     assert float(rows[("chunked", 512)]["peak_mib"]) < float(rows[("naive", 512)]["peak_mib"]) / 2
     assert rows[("flash", 512)]["kernel"] == "flash"
     assert "Claims checked" in (tmp_path / "summary.md").read_text()
+
+
+# ----------------------------------------------------------------------------- training loop
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+SMALL = dict(steps=120, batch_size=32, d_model=64, n_heads=2, n_layers=2, d_ff=128, vocab_size=12, min_len=3,
+             max_len=10, warmup=20, lr=3e-3, eval_size=200, log_every=1000, eval_every=1000, heatmap=None)
+
+
+def quiet(*args, **kwargs):
+    pass
+
+
+def test_training_learns_the_reversal_task(tmp_path):
+    res = mt.train(mt.TrainConfig(**{**SMALL, "steps": 300, "heatmap": str(tmp_path / "att.png")}), log=quiet)
+    assert res["accuracy"] > 0.9  # chance is 1/11
+    assert (tmp_path / "att.png").stat().st_size > 0
+
+
+def test_reverse_batch_is_the_reversal_with_padding():
+    x, y, lengths = mt.reverse_batch(5, 2, 7, 9, torch.Generator().manual_seed(0))
+    for b in range(5):
+        L = int(lengths[b])
+        assert y[b, :L].tolist() == x[b, :L].flip(0).tolist()
+        assert (x[b, L:] == mt.PAD).all() and (y[b, L:] == mt.PAD).all() and (x[b, :L] != mt.PAD).all()
+
+
+def test_fp16_without_gpu_works_or_stops_clearly():
+    try:
+        res = mt.train(mt.TrainConfig(**{**SMALL, "steps": 20, "amp": "fp16"}), log=quiet)
+    except RuntimeError as e:
+        assert "--amp fp16 is not supported" in str(e)
+    else:
+        assert 0.0 <= res["accuracy"] <= 1.0 and res["skipped_steps"] >= 0
+
+
+def test_bf16_training_runs_on_cpu():
+    res = mt.train(mt.TrainConfig(**{**SMALL, "steps": 20, "amp": "bf16", "impl": "chunked"}), log=quiet)
+    assert math.isfinite(res["loss"])
+
+
+def test_gradients_are_unscaled_before_clipping():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    x = torch.randn(16, 8)
+    reference = [p.detach().clone() for p in model.parameters()]
+    true_grads = torch.autograd.grad((model(x) ** 2).sum() * 100, list(model.parameters()))
+    true_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in true_grads])).item()
+    assert true_norm > 1.0  # so that clipping to 1.0 acts
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    norm, stepped = mt.optimizer_step((model(x) ** 2).sum() * 100, model, opt, scaler, clip=1.0)
+    assert stepped
+    assert norm == pytest.approx(true_norm, rel=1e-5)  # swapped order would report 65536x this
+    for p, p0, g in zip(model.parameters(), reference, true_grads):  # the update is the clipped true gradient
+        torch.testing.assert_close(p0 - p.detach(), g / true_norm, rtol=1e-4, atol=1e-6)
+
+
+def test_scaler_skips_and_counts_a_step_with_inf_gradients():
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = model(torch.full((2, 4), float("inf"))).sum()
+    _, stepped = mt.optimizer_step(loss, model, opt, scaler, clip=1.0)
+    assert not stepped and scaler.get_scale() < 2.0**16
+    for p, p0 in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), p0)
+
+
+def test_resume_is_exact(tmp_path):
+    cfg = {**SMALL, "steps": 30, "dropout": 0.1, "impl": "chunked", "save_every": 1000}
+    full = mt.train(mt.TrainConfig(**cfg), log=quiet)
+    ckpt = str(tmp_path / "ck.pt")
+    part = mt.train(mt.TrainConfig(**cfg, out=ckpt, stop_after=13), log=quiet)
+    assert part["step"] == 13
+    resumed = mt.train(mt.TrainConfig(**cfg, resume=ckpt), log=quiet)
+    assert resumed["loss"] == full["loss"]  # exactly: same data, dropout masks, optimizer state
+    assert resumed["accuracy"] == full["accuracy"]
+
+
+def test_corrupt_or_truncated_checkpoint_gives_a_clear_error(tmp_path):
+    good = str(tmp_path / "good.pt")
+    mt.train(mt.TrainConfig(**{**SMALL, "steps": 2, "out": good}), log=quiet)
+    data = open(good, "rb").read()
+    cases = {"truncated.pt": data[: len(data) // 2], "garbage.pt": b"not a checkpoint at all"}
+    for name, content in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(ValueError, match="cannot read checkpoint .* corrupt, truncated"):
+            mt.train(mt.TrainConfig(**{**SMALL, "resume": str(path)}), log=quiet)
+    other = tmp_path / "other.pt"
+    torch.save({"weights": torch.zeros(2)}, other)
+    with pytest.raises(ValueError, match="not a minitransformer checkpoint"):
+        mt.load_checkpoint(str(other))
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": print}, evil)  # unpickling would need a global: weights_only refuses
+    with pytest.raises(ValueError, match="cannot read checkpoint"):
+        mt.load_checkpoint(str(evil))
+
+
+def test_non_finite_loss_stops_with_the_step_and_no_checkpoint(tmp_path, monkeypatch):
+    forward = mt.TokenClassifier.forward
+    calls = []
+
+    def poisoned(self, idx, attn_mask=None):
+        calls.append(1)
+        logits = forward(self, idx, attn_mask)
+        return logits * float("nan") if len(calls) == 3 else logits
+    monkeypatch.setattr(mt.TokenClassifier, "forward", poisoned)
+    ckpt = tmp_path / "ck.pt"
+    with pytest.raises(FloatingPointError, match="loss is nan at step 3"):
+        mt.train(mt.TrainConfig(**{**SMALL, "steps": 10, "out": str(ckpt), "save_every": 2}), log=quiet)
+    state = mt.load_checkpoint(str(ckpt))  # the step-2 checkpoint is intact and is the last one written
+    assert state["step"] == 2 and not (tmp_path / "ck.pt.tmp").exists()
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--amp", "fp8"], ["--impl", "fast"], ["--lr", "abc"]])
+def test_cli_rejects_bad_options(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        mt.parse_args(argv)
+    assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_torchrun_two_processes_keep_identical_parameters(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "minitransformer.py",
+           "--steps", "6", "--log-every", "3", "--eval-size", "50", "--heatmap", "", "--out", str(tmp_path / "ck.pt")]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env,
+                         cwd=__import__("os").path.dirname(__file__) or ".")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "training on cpu x 2 process(es)" in run.stdout
+    assert "max parameter difference across 2 ranks: 0" in run.stdout
+    assert run.stdout.count("accuracy=") == 1  # rank 0 alone prints
+    assert mt.load_checkpoint(str(tmp_path / "ck.pt"))["step"] == 6
