@@ -963,7 +963,10 @@ def train(cfg, log=print):
     rank, world = _setup_distributed(device)
     say = log if rank == 0 else (lambda *a, **k: None)
     try:
-        return _train(cfg, device, rank, world, say)
+        result = _train(cfg, device, rank, world, say)
+        if world > 1:
+            torch.distributed.barrier()  # no rank tears down while another still talks to it
+        return result
     finally:
         if world > 1:
             torch.distributed.destroy_process_group()
