@@ -477,6 +477,20 @@ def report(rows):
                 a, b = _at(curves, "naive", mode, n), _at(curves, other, mode, n)
                 lines.append(f"- {mode} n={n}: naive/{other} memory {float(a['peak_mib']) / max(float(b['peak_mib']), 1e-3):.1f}x, "
                              f"time {float(a['ms']) / float(b['ms']):.2f}x")
+    pairs = [("flash", "chunked", "chunked / fused kernel throughput"),
+             ("chunked", "chunked causal", "causal block skipping: chunked / chunked causal time")]
+    for a_name, b_name, what in pairs:
+        ns = sorted({int(r["n"]) for m in MODES for r in curves.get((a_name, m), [])} &
+                    {int(r["n"]) for m in MODES for r in curves.get((b_name, m), [])})
+        if ns:
+            lines += ["", f"{what} (> 1: the second is faster), measured side by side:", "",
+                      "| n | " + " | ".join(MODES) + " |", "| --- |" + " --- |" * len(MODES)]
+            for n in ns:
+                cells = []
+                for mode in MODES:
+                    a, b = _at(curves, a_name, mode, n), _at(curves, b_name, mode, n)
+                    cells.append(f"{float(a['ms']) / float(b['ms']):.2f}x" if a and b else "-")
+                lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines += ["", "## Claims checked", ""]
     fb = "fwd+bwd"
     if ("naive", fb) in fits:

@@ -672,3 +672,32 @@ def test_torchrun_two_processes_keep_identical_parameters(tmp_path):
     assert "max parameter difference across 2 ranks: 0" in run.stdout
     assert run.stdout.count("accuracy=") == 1  # rank 0 alone prints
     assert mt.load_checkpoint(str(tmp_path / "ck.pt"))["step"] == 6
+
+
+# ----------------------------------------------------------------------------- benchmarks
+# `python -m pytest --benchmark-only` prints the comparison table; the normal run
+# (--benchmark-disable) calls each once. No test here asserts a time.
+
+BENCH_VARIANTS = {"naive": {"impl": "naive"}, "chunked": {"impl": "chunked"}, "flash": {"impl": "flash"},
+                  "chunked causal": {"impl": "chunked", "is_causal": True},
+                  "chunked window=128": {"impl": "chunked", "window_size": 128}}
+
+
+@pytest.mark.parametrize("variant", BENCH_VARIANTS)
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("n", [512, 2048])
+def test_benchmark_attention(benchmark, variant, mode, n):
+    kw = dict(BENCH_VARIANTS[variant])
+    impl = kw.pop("impl")
+    q, k, v = make_qkv(1, 8, n, n, 64, dtype=torch.float32)
+    benchmark.group = f"{mode} n={n} (B=1, H=8, D=64, float32)"
+    if mode == "fwd":
+        def fn():
+            with torch.no_grad():
+                return mt.attention(q, k, v, impl=impl, **kw)
+    else:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+        def fn():
+            mt.attention(q, k, v, impl=impl, **kw).sum().backward()
+    benchmark(fn)
