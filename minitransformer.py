@@ -298,12 +298,13 @@ class _ChunkedAttention(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=acc_dtype)
         dk = torch.zeros_like(k, dtype=acc_dtype)
         dv = torch.zeros_like(v, dtype=acc_dtype)
-        delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1, keepdim=True)  # (B, H, Lq, 1) = rowsum(dO * O)
         n_kblocks = -(-Lk // ck)
         for qb, q0 in enumerate(range(0, Lq, cq)):
             q1 = min(q0 + cq, Lq)
             qi = q[:, :, q0:q1] * (scale * LOG2E)  # (B, H, cq, D)
             doi = dout[:, :, q0:q1]  # (B, H, cq, Dv)
+            # delta = rowsum(dO * O) = rowsum(P * dP): per block, so no (B, H, Lq, Dv) temporary
+            delta = (doi.to(acc_dtype) * out[:, :, q0:q1].to(acc_dtype)).sum(-1, keepdim=True)  # (B, H, cq, 1)
             for k0 in _key_blocks(q0, q1, Lk, ck, is_causal, window_size):
                 k1, kb = min(k0 + ck, Lk), k0 // ck
                 kj, vj = k[:, :, k0:k1], v[:, :, k0:k1]
@@ -321,7 +322,7 @@ class _ChunkedAttention(torch.autograd.Function):
                     dp.mul_(zs)
                 else:
                     dv[:, :, k0:k1] += (p.to(v.dtype).transpose(-2, -1) @ doi).to(acc_dtype)
-                ds = p.mul_(dp.sub_(delta[:, :, q0:q1])).to(q.dtype)  # dS_j = P_j * (dP_j - delta)
+                ds = p.mul_(dp.sub_(delta)).to(q.dtype)  # dS_j = P_j * (dP_j - delta)
                 dq[:, :, q0:q1] += (ds @ kj).to(acc_dtype)
                 dk[:, :, k0:k1] += (ds.transpose(-2, -1) @ qi).to(acc_dtype)
         dq.mul_(scale)
