@@ -154,6 +154,16 @@ def _mask_block(attn_mask, is_causal, window_size, q0, q1, k0, k1, device):
     return m.masked_fill(~keep, float("-inf"))
 
 
+def _apply_mask(scores, mask, bias_scale=1.0):
+    """Scores with a mask from _mask_block applied: -inf where a bool mask is False, + bias * bias_scale for a
+    float mask. -inf, never -1e9: -1e9 overflows float16 and is not "masked" for large scores."""
+    if mask is None:
+        return scores
+    if mask.dtype == torch.bool:
+        return scores.masked_fill_(~mask, float("-inf"))
+    return scores + mask * bias_scale if bias_scale != 1.0 else scores + mask
+
+
 def _full_mask(attn_mask, is_causal, window_size, Lq, Lk, device):
     """The whole (.., Lq, Lk) mask, with fully masked rows re-opened, and those rows.
 
@@ -195,11 +205,7 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     """
     attn_mask, scale = _check_args(q, k, v, attn_mask, dropout_p, scale, window_size)
     mask, dead = _full_mask(attn_mask, is_causal, window_size, q.size(-2), k.size(-2), q.device)
-    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Lq, Lk)
-    if mask is not None and mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, float("-inf"))  # -inf, not -1e9: representable in every dtype
-    elif mask is not None:
-        scores = scores + mask
+    scores = _apply_mask((q @ k.transpose(-2, -1)) * scale, mask)  # (B, H, Lq, Lk)
     weights = torch.softmax(scores, dim=-1)
     if dead is not None:
         weights = weights.masked_fill(dead, 0.0)
@@ -244,6 +250,14 @@ def _chunks(chunk_size):
     return cq, ck
 
 
+def _block_scores(qi, k, attn_mask, is_causal, window_size, q0, q1, k0, k1, acc_dtype):
+    """Masked base-2 scores of one block, (B, H, q1-q0, k1-k0); qi already carries scale * log2(e).
+    The forward computes them once; the backward recomputes them instead of storing them."""
+    s = (qi @ k[:, :, k0:k1].transpose(-2, -1)).to(acc_dtype)  # (B, H, cq, ck)
+    mask = _mask_block(attn_mask, is_causal, window_size, q0, q1, k0, k1, qi.device)
+    return _apply_mask(s, mask, bias_scale=LOG2E)
+
+
 class _ChunkedAttention(torch.autograd.Function):
 
     @staticmethod
@@ -264,12 +278,7 @@ class _ChunkedAttention(torch.autograd.Function):
             acc = torch.zeros(B, H, q1 - q0, Dv, dtype=acc_dtype, device=q.device)
             for k0 in _key_blocks(q0, q1, Lk, ck, is_causal, window_size):
                 k1, kb = min(k0 + ck, Lk), k0 // ck
-                s = (qi @ k[:, :, k0:k1].transpose(-2, -1)).to(acc_dtype)  # (B, H, cq, ck)
-                mask = _mask_block(attn_mask, is_causal, window_size, q0, q1, k0, k1, q.device)
-                if mask is not None and mask.dtype == torch.bool:
-                    s.masked_fill_(~mask, float("-inf"))
-                elif mask is not None:
-                    s = s + mask * LOG2E
+                s = _block_scores(qi, k, attn_mask, is_causal, window_size, q0, q1, k0, k1, acc_dtype)
                 m_new = torch.maximum(m, s.amax(-1, keepdim=True))
                 # a row masked so far has m_new = -inf, and exp(-inf - (-inf)) = NaN; clamping to
                 # the lowest finite value makes it exp(-inf) = 0 and leaves every other row alone
@@ -308,12 +317,7 @@ class _ChunkedAttention(torch.autograd.Function):
             for k0 in _key_blocks(q0, q1, Lk, ck, is_causal, window_size):
                 k1, kb = min(k0 + ck, Lk), k0 // ck
                 kj, vj = k[:, :, k0:k1], v[:, :, k0:k1]
-                s = (qi @ kj.transpose(-2, -1)).to(acc_dtype)  # (B, H, cq, ck)
-                mask = _mask_block(attn_mask, is_causal, window_size, q0, q1, k0, k1, q.device)
-                if mask is not None and mask.dtype == torch.bool:
-                    s.masked_fill_(~mask, float("-inf"))
-                elif mask is not None:
-                    s = s + mask * LOG2E
+                s = _block_scores(qi, k, attn_mask, is_causal, window_size, q0, q1, k0, k1, acc_dtype)
                 p = s.sub_(lse[:, :, q0:q1]).exp2_()  # P_j recomputed: the forward's probabilities
                 dp = (doi @ vj.transpose(-2, -1)).to(acc_dtype)  # (B, H, cq, ck)
                 if dropout_p > 0.0:
@@ -331,7 +335,8 @@ class _ChunkedAttention(torch.autograd.Function):
 
 
 def default_chunk_size(device):
-    """Block sizes (query block, key block) chosen from measurements (see README, issue 5)."""
+    """Block sizes (query block, key block). CPU: measured best of the sizes tried (README,
+    "Chunk sizes"); CUDA: a guess that keeps kernel launches few, not yet measured."""
     return (256, 256) if torch.device(device).type == "cpu" else (512, 512)
 
 
@@ -1040,6 +1045,7 @@ def _train(cfg, device, rank, world, say):
                                                               mcfg.vocab_size, gen))
         with amp_ctx():
             logits = ddp(x, padding_mask(lengths, x.size(1)))
+            # (B*T, vocab) against (B*T,); the loss in float32 even under autocast
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1), ignore_index=PAD,
                                    label_smoothing=cfg.label_smoothing)
         loss_value = loss.item()

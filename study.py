@@ -547,6 +547,16 @@ def _lengths(text):
     return sorted(set(values))
 
 
+def _chunk_size(text):
+    try:
+        sizes = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        sizes = ()
+    if len(sizes) not in (1, 2) or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected a block size like 256 or 256x512 (queries x keys), got {text!r}")
+    return sizes[0] if len(sizes) == 1 else sizes
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where to measure (auto: CUDA if present)")
@@ -565,7 +575,8 @@ def parse_args(argv=None):
     p.add_argument("--window", type=int, default=256, help="window of the sliding-window series (0: no such series)")
     p.add_argument("--mode", choices=["fwd", "fwd+bwd", "both"], default="both",
                    help="forward (inference, no autograd graph), forward+backward, or both")
-    p.add_argument("--chunk-size", type=_positive_int, default=None, help="block size of the chunked path (default: its own)")
+    p.add_argument("--chunk-size", type=_chunk_size, default=None,
+                   help="blocks of the chunked path, 256 or 256x512 (queries x keys); default: its own")
     p.add_argument("--out", default=None, help="output folder (default results/<device>)")
     p.add_argument("--resume", action="store_true", help="keep <out>/study.csv and skip the points it already has")
     p.add_argument("--quick", action="store_true", help="smoke run: three short lengths, few repeats")

@@ -515,6 +515,7 @@ def test_resume_skips_measured_points_and_old_results_are_kept(tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["--lengths", "abc"], ["--lengths", "0,64"], ["--heads", "0"], ["--window", "-1"],
+                                  ["--chunk-size", "0"], ["--chunk-size", "64x"],
                                   ["--series", "nope"], ["--dtype", "float8"], ["--target-seconds", "0"]])
 def test_bad_study_options_are_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit) as e:
