@@ -680,8 +680,8 @@ def test_torchrun_two_processes_keep_identical_parameters(tmp_path):
 # (--benchmark-disable) calls each once. No test here asserts a time.
 
 BENCH_VARIANTS = {"naive": {"impl": "naive"}, "chunked": {"impl": "chunked"}, "flash": {"impl": "flash"},
-                  "chunked causal": {"impl": "chunked", "is_causal": True},
-                  "chunked window=128": {"impl": "chunked", "window_size": 128}}
+                  "chunked-causal": {"impl": "chunked", "is_causal": True},
+                  "chunked-window128": {"impl": "chunked", "window_size": 128}}
 
 
 @pytest.mark.parametrize("variant", BENCH_VARIANTS)
