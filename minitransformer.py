@@ -114,14 +114,15 @@ def _check_mask(attn_mask, q, k):
 
 
 def _key_blocks(q0, q1, Lk, ck, is_causal, window_size):
-    """Start of every key block that queries q0..q1-1 can see: blocks masked by causality or
-    the window alone are never visited, so causal and local attention do less work."""
+    """(k0, k1) of every key block that queries q0..q1-1 can see. Keys masked by causality or
+    the window alone are never computed, so causal and local attention do less work."""
     lo, hi = 0, Lk
     if is_causal:
         hi = min(hi, q1)  # keys j <= i < q1
     if window_size is not None:
         lo, hi = max(lo, q0 - window_size), min(hi, q1 + window_size)  # |i - j| <= w
-    return range(lo // ck * ck, hi, ck) if lo < hi else range(0)
+    # blocks stay aligned to multiples of ck (k0 // ck seeds the dropout mask), cut to [lo, hi)
+    return [(max(k0, lo), min(k0 + ck, hi)) for k0 in range(lo // ck * ck, hi, ck)]
 
 
 def _mask_block(attn_mask, is_causal, window_size, q0, q1, k0, k1, device):
@@ -276,8 +277,8 @@ class _ChunkedAttention(torch.autograd.Function):
             m = torch.full((B, H, q1 - q0, 1), float("-inf"), dtype=acc_dtype, device=q.device)
             l = torch.zeros_like(m)
             acc = torch.zeros(B, H, q1 - q0, Dv, dtype=acc_dtype, device=q.device)
-            for k0 in _key_blocks(q0, q1, Lk, ck, is_causal, window_size):
-                k1, kb = min(k0 + ck, Lk), k0 // ck
+            for k0, k1 in _key_blocks(q0, q1, Lk, ck, is_causal, window_size):
+                kb = k0 // ck
                 s = _block_scores(qi, k, attn_mask, is_causal, window_size, q0, q1, k0, k1, acc_dtype)
                 m_new = torch.maximum(m, s.amax(-1, keepdim=True))
                 # a row masked so far has m_new = -inf, and exp(-inf - (-inf)) = NaN; clamping to
@@ -314,8 +315,8 @@ class _ChunkedAttention(torch.autograd.Function):
             doi = dout[:, :, q0:q1]  # (B, H, cq, Dv)
             # delta = rowsum(dO * O) = rowsum(P * dP): per block, so no (B, H, Lq, Dv) temporary
             delta = (doi.to(acc_dtype) * out[:, :, q0:q1].to(acc_dtype)).sum(-1, keepdim=True)  # (B, H, cq, 1)
-            for k0 in _key_blocks(q0, q1, Lk, ck, is_causal, window_size):
-                k1, kb = min(k0 + ck, Lk), k0 // ck
+            for k0, k1 in _key_blocks(q0, q1, Lk, ck, is_causal, window_size):
+                kb = k0 // ck
                 kj, vj = k[:, :, k0:k1], v[:, :, k0:k1]
                 s = _block_scores(qi, k, attn_mask, is_causal, window_size, q0, q1, k0, k1, acc_dtype)
                 p = s.sub_(lse[:, :, q0:q1]).exp2_()  # P_j recomputed: the forward's probabilities

@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -182,48 +182,76 @@ def _attention_call(spec, q, k, v):
     return (lambda: mt.naive_attention(q, k, v, **kw)[0]), "naive"
 
 
-def measure_point(spec):
-    """Time and peak memory of one (series, mode, n) point; returns a dict of results."""
-    device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
-    B, H, n, D = spec["B"], spec["H"], spec["n"], spec["D"]
-    train = spec["mode"] == "fwd+bwd"
-    g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(B, H, n, D, device=device, dtype=dtype, generator=g).requires_grad_(train)
-               for _ in range(3))
-    dout = torch.randn(B, H, n, D, device=device, dtype=dtype, generator=g)
-    fn, kernel = _attention_call(spec, q, k, v)
+class _Workload:
+    """Inputs of one (B, H, n, D) point and a step() that runs one series on them, synchronised."""
 
-    def step():
-        if train:
-            fn().backward(dout)
-        else:
-            with torch.no_grad():
-                fn()
-        _sync(device)
+    def __init__(self, spec):
+        self.device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
+        B, H, n, D = spec["B"], spec["H"], spec["n"], spec["D"]
+        self.train = spec["mode"] == "fwd+bwd"
+        g = torch.Generator(device=self.device).manual_seed(0)
+        self.q, self.k, self.v = (torch.randn(B, H, n, D, device=self.device, dtype=dtype, generator=g)
+                                  .requires_grad_(self.train) for _ in range(3))
+        self.dout = torch.randn(B, H, n, D, device=self.device, dtype=dtype, generator=g)
 
-    def clear_grads():  # outside the measured region: the new gradients count, the old ones do not
-        for t in (q, k, v):
+    def step_for(self, series_spec):
+        """(step, kernel label); gradients are cleared before each step, outside any measurement."""
+        fn, kernel = _attention_call(series_spec, self.q, self.k, self.v)
+
+        def step():
+            if self.train:
+                fn().backward(self.dout)
+            else:
+                with torch.no_grad():
+                    fn()
+            _sync(self.device)
+        return step, kernel
+
+    def clear_grads(self):  # the new gradients count in a step's memory, the old ones do not
+        for t in (self.q, self.k, self.v):
             t.grad = None
 
+    def timed(self, step):
+        self.clear_grads()
+        t0 = time.perf_counter()
+        step()
+        return time.perf_counter() - t0
+
+
+def measure_point(spec):
+    """Time and peak memory of one (series, mode, n) point; returns a dict of results."""
+    work = _Workload(spec)
+    step, kernel = work.step_for(spec)
     # Memory: the smaller of two measured calls. The first also warms up, and one-time
     # costs (autograd engine, library workspaces) or memory held back by the allocator
     # only ever add to a reading, so the minimum is the closer one.
     peaks = []
     for _ in range(2):
-        clear_grads()
+        work.clear_grads()
         t0 = time.perf_counter()
-        with (_CudaPeak() if device.type == "cuda" else _CpuPeak()) as peak:
+        with (_CudaPeak() if work.device.type == "cuda" else _CpuPeak()) as peak:
             step()
         first = time.perf_counter() - t0
         peaks.append(peak.mib)
-    times = []
     reps = max(spec["min_repeats"], min(20, int(spec["target_s"] / max(first, 1e-6))))
-    for _ in range(reps):
-        clear_grads()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+    times = [work.timed(step) for _ in range(reps)]
     return {"kernel": kernel, "ms": 1e3 * statistics.median(times), "peak_mib": min(peaks)}
+
+
+def measure_compare(spec):
+    """Interleaved timing of several series on the same inputs: round r runs every series once,
+    in a rotated order, so that a slow spell of a shared machine hits them all alike."""
+    work = _Workload(spec)
+    steps = {s["series"]: work.step_for({**spec, **s}) for s in spec["series_list"]}
+    for step, _ in steps.values():  # warm-up
+        work.clear_grads()
+        step()
+    names = list(steps)
+    times = {name: [] for name in names}
+    for r in range(spec["rounds"]):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(work.timed(steps[name][0]))
+    return {name: {"kernel": steps[name][1], "times": times[name]} for name in names}
 
 
 def measure_matmul(spec):
@@ -253,7 +281,8 @@ def _worker(conn, mem_limit_bytes):
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
     while (spec := conn.recv()) is not None:
         try:
-            result = measure_matmul(spec) if spec.get("kind") == "matmul" else measure_point(spec)
+            measure = {"matmul": measure_matmul, "compare": measure_compare}.get(spec.get("kind"), measure_point)
+            result = measure(spec)
             conn.send(("ok", result))
         except Exception as e:  # only OOM is data; anything else goes back as a failure
             conn.send(("oom", str(e).splitlines()[0][:200]) if _is_oom(e) else ("error", traceback.format_exc()))
@@ -304,6 +333,7 @@ class Series:
     causal: bool = False
     window: int | None = None
     max_n: int | None = None  # longest n for this series (None: every length of the sweep)
+    chunk_size: int | tuple | None = None  # blocks of a chunked series (None: --chunk-size or the default)
 
 
 def default_series(device, causal, window, cpu_max_n=None):
@@ -589,6 +619,11 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="output folder (default results/<device>)")
     p.add_argument("--resume", action="store_true", help="keep <out>/study.csv and skip the points it already has")
     p.add_argument("--quick", action="store_true", help="smoke run: three short lengths, few repeats")
+    p.add_argument("--compare", action="store_true",
+                   help="instead of the sweep: time the series side by side, interleaved round by round, at each "
+                        "--lengths (default 4096), and report their time ratios (default series: flash, chunked, "
+                        "chunked-causal)")
+    p.add_argument("--rounds", type=_positive_int, default=10, help="rounds of --compare")
     p.add_argument("--target-seconds", type=float, default=0.5, help="time spent on repeats per point (at least 3 repeats)")
     p.add_argument("--mem-limit-gib", type=float, default=None,
                    help="CPU: memory a point may use before it counts as out of memory (default 70%% of available)")
@@ -626,18 +661,67 @@ def configure(args, p):
     # within about 3 minutes; the linear-memory paths go on to 8192 to show their slope
     cpu_max_n = 4096 if cpu and not args.lengths and not args.quick else None
     series = default_series(device, args.causal, args.window, cpu_max_n)
-    if args.series:
-        wanted = [s.strip() for s in args.series.split(",")]
-        unknown = [s for s in wanted if s not in {x.name for x in series}]
-        if unknown:
-            p.error(f"unknown series {unknown}; for this configuration choose from {[s.name for s in series]}")
-        series = [s for s in series if s.name in wanted]
+    if args.series:  # a chunked series may carry its own blocks: chunked@256x512, chunked-causal@512
+        known, chosen = {x.name: x for x in series}, []
+        for name in (s.strip() for s in args.series.split(",")):
+            base, _, size = name.partition("@")
+            if base not in known or (size and known[base].path != "chunked"):
+                p.error(f"unknown series {name!r}; for this configuration choose from {list(known)} "
+                        "(chunked ones may end in @SIZE, e.g. chunked@256x512)")
+            try:
+                chosen.append(replace(known[base], name=name, chunk_size=_chunk_size(size) if size else None))
+            except argparse.ArgumentTypeError as e:
+                p.error(str(e))
+        series = chosen
     return device, dtype, lengths, series
+
+
+def compare(args, p, runner):
+    """--compare: interleaved side-by-side timing; prints and writes <out>/compare.md."""
+    if args.lengths is None:
+        args.lengths = [4096]
+    if args.series is None:
+        args.series = "flash,chunked,chunked-causal"
+    device, dtype, lengths, series = configure(args, p)
+    modes = MODES if args.mode == "both" else (args.mode,)
+    B = args.batch or (1 if device.type == "cpu" else 4)
+    lines = [f"# Side-by-side timing ({args.rounds} interleaved rounds, median)", "",
+             f"{device.type}, {dtype}, torch {torch.__version__}, B={B}, H={args.heads}, D={args.head_dim}", ""]
+    for n in lengths:
+        for mode in modes:
+            spec = {"kind": "compare", "device": device.type, "dtype": dtype, "B": B, "H": args.heads,
+                    "D": args.head_dim, "n": n, "mode": mode, "rounds": args.rounds,
+                    "series_list": [{**asdict(s), "series": s.name,
+                                     "chunk_size": s.chunk_size or args.chunk_size} for s in series]}
+            res = runner(spec)
+            names = list(res)
+            lines += [f"## n={n}, {mode}", "", "| series | kernel | median ms |", "| --- | --- | --- |"]
+            lines += [f"| {m} | {res[m]['kernel']} | {1e3 * statistics.median(res[m]['times']):.1f} |" for m in names]
+            lines += ["", "| time(a) / time(b), median of per-round ratios | ratio |", "| --- | --- |"]
+            for i, a in enumerate(names):
+                for b in names[i + 1:]:
+                    ratio = statistics.median(x / y for x, y in zip(res[a]["times"], res[b]["times"]))
+                    lines.append(f"| {a} / {b} | {ratio:.2f}x |")
+            lines.append("")
+            print("\n".join(lines[-(len(names) * 2 + 8):]))
+    out = args.out or os.path.join("results", device.type)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "compare.md"), "w") as f:
+        f.write("\n".join(lines))
+    print(f"wrote {os.path.join(out, 'compare.md')}")
 
 
 def main(argv=None, runner=None):
     """Run the sweep; `runner(spec) -> result` may be injected (tests), else a WorkerRunner measures."""
     args, p = parse_args(argv)
+    if args.compare:
+        own = runner is None
+        runner = runner or WorkerRunner(None)
+        try:
+            return compare(args, p, runner)
+        finally:
+            if own:
+                runner.close()
     device, dtype, lengths, series = configure(args, p)
     if args.list:
         print("\n".join(s.name for s in series))
@@ -666,7 +750,7 @@ def main(argv=None, runner=None):
         points = [{"device": dev_label, "torch": torch.__version__, "dtype": dtype, "series": s.name, "path": s.path,
                    "mode": mode, "causal": s.causal, "window": s.window, "H": args.heads, "D": args.head_dim, "n": n,
                    "B": max(1, args.tokens // n) if args.tokens else batch, "matmul_tflops": f"{ceiling:.4f}",
-                   "chunk_size": args.chunk_size, "min_repeats": 1 if args.quick else 3,
+                   "chunk_size": s.chunk_size or args.chunk_size, "min_repeats": 1 if args.quick else 3,
                    "target_s": 0.2 if args.quick else args.target_seconds}
                   for n in lengths for s in series for mode in modes
                   if s.max_n is None or n <= s.max_n]  # n outermost: paths side by side

@@ -702,3 +702,10 @@ def test_benchmark_attention(benchmark, variant, mode, n):
         def fn():
             mt.attention(q, k, v, impl=impl, **kw).sum().backward()
     benchmark(fn)
+
+
+def test_compare_interleaves_series_with_their_own_chunk_sizes(tmp_path):
+    study.main(["--device", "cpu", "--compare", "--lengths", "128", "--series", "flash,chunked@32x64,chunked-causal",
+                "--heads", "2", "--head-dim", "16", "--rounds", "2", "--mode", "fwd", "--out", str(tmp_path)])
+    text = (tmp_path / "compare.md").read_text()
+    assert "| chunked@32x64 | chunked |" in text and "| flash / chunked-causal |" in text
