@@ -676,7 +676,13 @@ def configure(args, p):
     return device, dtype, lengths, series
 
 
-def compare(args, p, runner):
+def _device_label(device):
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"cpu:{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def compare(args, p, runner, command):
     """--compare: interleaved side-by-side timing; prints and writes <out>/compare.md."""
     if args.lengths is None:
         args.lengths = [4096]
@@ -686,7 +692,8 @@ def compare(args, p, runner):
     modes = MODES if args.mode == "both" else (args.mode,)
     B = args.batch or (1 if device.type == "cpu" else 4)
     lines = [f"# Side-by-side timing ({args.rounds} interleaved rounds, median)", "",
-             f"{device.type}, {dtype}, torch {torch.__version__}, B={B}, H={args.heads}, D={args.head_dim}", ""]
+             f"{_device_label(device)}, {dtype}, torch {torch.__version__}, B={B}, H={args.heads}, D={args.head_dim}",
+             "", f"Command: `{command}`", ""]
     for n in lengths:
         for mode in modes:
             spec = {"kind": "compare", "device": device.type, "dtype": dtype, "B": B, "H": args.heads,
@@ -714,11 +721,12 @@ def compare(args, p, runner):
 def main(argv=None, runner=None):
     """Run the sweep; `runner(spec) -> result` may be injected (tests), else a WorkerRunner measures."""
     args, p = parse_args(argv)
+    command = "python study.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.compare:
         own = runner is None
         runner = runner or WorkerRunner(None)
         try:
-            return compare(args, p, runner)
+            return compare(args, p, runner, command)
         finally:
             if own:
                 runner.close()
@@ -729,8 +737,7 @@ def main(argv=None, runner=None):
     out = args.out or os.path.join("results", device.type)
     os.makedirs(out, exist_ok=True)
     csv_path = os.path.join(out, "study.csv")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
-    dev_label = f"{device.type}:{name}" + (f" ({torch.get_num_threads()} threads)" if device.type == "cpu" else "")
+    dev_label = _device_label(device)
     modes = MODES if args.mode == "both" else (args.mode,)
     batch = args.batch or (1 if device.type == "cpu" else 4)
     title = (f"{dev_label}, {dtype}, torch {torch.__version__}, "
@@ -763,7 +770,8 @@ def main(argv=None, runner=None):
             runner.close()
     rows = read_rows(csv_path)
     files = plot(rows, out, title)
-    text = f"# Attention scaling study\n\n{title}; sweep took {time.time() - t0:.0f} s.\n\n" + report(rows) + "\n"
+    text = (f"# Attention scaling study\n\n{title}; sweep took {time.time() - t0:.0f} s.\n\nCommand: `{command}`\n\n"
+            + report(rows) + "\n")
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(text)
     print("\n" + text)
