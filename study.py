@@ -368,7 +368,10 @@ class CsvLog:
 
     def __init__(self, path, resume):
         if os.path.exists(path) and not resume:  # keep earlier data: set it aside, never overwrite it
-            os.replace(path, f"{path[:-4]}-{time.strftime('%Y%m%d-%H%M%S')}.csv")
+            stamp, i = time.strftime("%Y%m%d-%H%M%S"), 0
+            while os.path.exists(backup := f"{path[:-4]}-{stamp}{f'-{i}' if i else ''}.csv"):
+                i += 1
+            os.replace(path, backup)
         self.new = not os.path.exists(path)
         self.f = open(path, "a", newline="")
         self.w = csv.DictWriter(self.f, COLUMNS)
