@@ -8,12 +8,17 @@ Sweeps the sequence length n and measures, for every attention path of
 minitransformer (naive, chunked, flash; on CUDA also each fused SDPA kernel forced
 one at a time), forward and forward+backward:
 - time: median of repeats after a warm-up, with device synchronisation;
-- peak memory above the inputs: on CUDA the allocator's peak statistics, reset per
-  point; on CPU (Linux) the peak resident set size (VmHWM, reset per point through
-  /proc/self/clear_refs) of a separate worker process minus its resident size just
-  before the call. For that one call the worker's malloc returns every freed block
-  over 128 KiB to the OS at once, so memory left over from earlier calls cannot hide
-  the call's own; the timed calls run with malloc's usual caching;
+- peak memory above the inputs, two ways:
+  peak_mib: the peak of the bytes that PyTorch's allocator holds for the call's
+  tensors (outputs, gradients, temporaries), the same quantity on both devices: on
+  CUDA the allocator's peak statistics, reset per point; on CPU the allocator's own
+  record of every allocation and free, read through the profiler (profile_memory);
+  rss_mib (CPU, Linux): what the process really took from the OS, library
+  workspaces and malloc's overhead included: the peak resident set size (VmHWM,
+  reset through /proc/self/clear_refs) of a separate worker process minus its
+  resident size just before the call; for that call malloc returns every freed
+  block over 128 KiB to the OS at once, so memory left over from earlier calls
+  cannot hide the call's own; the timed calls run with malloc's usual caching;
 - achieved TFLOP/s with FlashAttention's convention (4 * B * H * n^2 * D for a
   forward pass, halved for causal, x3.5 for forward+backward), and that as a
   percentage of the matrix-multiply rate measured on the same device in the same run.
@@ -42,7 +47,7 @@ import torch
 import minitransformer as mt
 
 COLUMNS = ["device", "torch", "dtype", "series", "path", "kernel", "mode", "causal", "window", "B", "H", "D",
-           "n", "ms", "peak_mib", "tflops", "pct_matmul", "matmul_tflops", "status"]
+           "n", "ms", "peak_mib", "rss_mib", "tflops", "pct_matmul", "matmul_tflops", "status"]
 MODES = ("fwd", "fwd+bwd")
 MIB = 2**20
 SDPA_SERIES = {"sdpa-flash": "flash", "sdpa-efficient": "efficient", "sdpa-cudnn": "cudnn"}
@@ -83,6 +88,21 @@ def fit_exponent(ns, ys, last=3):
     ls = [math.log(y) for _, y in pts]
     mx, my = statistics.fmean(xs), statistics.fmean(ls)
     return sum((x - mx) * (l - my) for x, l in zip(xs, ls)) / sum((x - mx) ** 2 for x in xs)
+
+
+def growth_exponent(ns, ys, last=4):
+    """p in y = c + a * n^p, from the successive differences of the `last` largest n.
+
+    With n doubling, y(2n) - y(n) = a * n^p * (2^p - 1): the constant c (fixed
+    workspaces, one block of scores) cancels, and the log-log slope of the
+    differences is p itself. Needs n in a geometric progression; NaN otherwise.
+    """
+    pts = sorted((n, y) for n, y in zip(ns, ys) if y is not None and not math.isnan(y))[-last:]
+    ratios = {round(b[0] / a[0], 6) for a, b in zip(pts, pts[1:])}
+    diffs = [(a[0], b[1] - a[1]) for a, b in zip(pts, pts[1:])]
+    if len(ratios) != 1 or len(diffs) < 2 or min(d for _, d in diffs) <= 0:
+        return float("nan")
+    return fit_exponent([n for n, _ in diffs], [d for _, d in diffs], last=len(diffs))
 
 
 # -----------------------------------------------------------------------------
@@ -144,6 +164,26 @@ class _CpuPeak:
         if self.libc:  # glibc's defaults: 32 MiB is where its dynamic mmap threshold stops growing
             self.libc.mallopt(M_MMAP_THRESHOLD, 32 * MIB)
             self.libc.mallopt(M_TRIM_THRESHOLD, 64 * MIB)
+
+
+class _AllocPeak:
+    """Peak bytes held by PyTorch's CPU allocator during a call, from its own record of every
+    allocation and free (the profiler's memory events): tensors only, exact, no OS noise."""
+
+    def __enter__(self):
+        self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.prof.__exit__(*exc)
+        events = sorted((e.start_ns(), e.nbytes()) for e in self.prof.profiler.kineto_results.events()
+                        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+        held = peak = 0
+        for _, nbytes in events:  # frees come as negative sizes
+            held += nbytes
+            peak = max(peak, held)
+        self.mib = peak / MIB
 
 
 class _CudaPeak:
@@ -222,20 +262,22 @@ def measure_point(spec):
     """Time and peak memory of one (series, mode, n) point; returns a dict of results."""
     work = _Workload(spec)
     step, kernel = work.step_for(spec)
-    # Memory: the smaller of two measured calls. The first also warms up, and one-time
-    # costs (autograd engine, library workspaces) or memory held back by the allocator
-    # only ever add to a reading, so the minimum is the closer one.
-    peaks = []
-    for _ in range(2):
+    cuda = work.device.type == "cuda"
+    if cuda:  # warm-up: cuBLAS / cuDNN workspaces are one-time costs, not this point's memory
+        work.timed(step)
+    work.clear_grads()
+    with (_CudaPeak() if cuda else _AllocPeak()) as alloc:  # on CPU this call is also the warm-up
+        step()
+    rss = None
+    if not cuda:
         work.clear_grads()
-        t0 = time.perf_counter()
-        with (_CudaPeak() if work.device.type == "cuda" else _CpuPeak()) as peak:
+        with _CpuPeak() as peak:
             step()
-        first = time.perf_counter() - t0
-        peaks.append(peak.mib)
-    reps = max(spec["min_repeats"], min(20, int(spec["target_s"] / max(first, 1e-6))))
-    times = [work.timed(step) for _ in range(reps)]
-    return {"kernel": kernel, "ms": 1e3 * statistics.median(times), "peak_mib": min(peaks)}
+        rss = peak.mib
+    first = work.timed(step)
+    reps = max(spec["min_repeats"] - 1, min(20, int(spec["target_s"] / max(first, 1e-6))) - 1)
+    times = [first] + [work.timed(step) for _ in range(reps)]
+    return {"kernel": kernel, "ms": 1e3 * statistics.median(times), "peak_mib": alloc.mib, "rss_mib": rss}
 
 
 def measure_compare(spec):
@@ -405,8 +447,10 @@ def sweep(points, runner, log, done, ceiling, say=print):
                 flops = attention_flops(p["B"], p["H"], p["n"], p["D"], p["causal"], p["window"], p["mode"])
                 tflops = flops / (r["ms"] / 1e3) / 1e12
                 row = {**base, "kernel": r["kernel"], "ms": f"{r['ms']:.3f}", "peak_mib": f"{r['peak_mib']:.1f}",
+                       "rss_mib": "" if r.get("rss_mib") is None else f"{r['rss_mib']:.1f}",
                        "tflops": f"{tflops:.4f}", "pct_matmul": f"{100 * tflops / ceiling:.1f}", "status": "ok"}
-                say(f"{label}: {r['ms']:.1f} ms, {r['peak_mib']:.0f} MiB ({r['kernel']})")
+                rss = "" if r.get("rss_mib") is None else f" (RSS {r['rss_mib']:.0f} MiB)"
+                say(f"{label}: {r['ms']:.1f} ms, {r['peak_mib']:.0f} MiB{rss} ({r['kernel']})")
             except PointOOM as e:
                 stopped.add((p["series"], p["mode"]))
                 row = {**base, "status": f"oom: {e}"[:120]}
@@ -429,11 +473,14 @@ def _ok_rows(rows):
 
 
 def exponents(rows):
-    """{(series, mode): (memory exponent, time exponent)} over the largest n of each curve."""
+    """{(series, mode): {"memory": growth exponent of peak_mib, "memory_slope": its plain log-log slope,
+    "rss": growth exponent of rss_mib (CPU), "time": log-log slope of ms}}, over the largest n."""
     res = {}
     for key, rs in _ok_rows(rows).items():
         ns = [int(r["n"]) for r in rs]
-        res[key] = (fit_exponent(ns, [float(r["peak_mib"]) for r in rs]), fit_exponent(ns, [float(r["ms"]) for r in rs]))
+        col = lambda name: [float(r[name]) if r.get(name) else float("nan") for r in rs]  # noqa: E731
+        res[key] = {"memory": growth_exponent(ns, col("peak_mib")), "memory_slope": fit_exponent(ns, col("peak_mib")),
+                    "rss": growth_exponent(ns, col("rss_mib")), "time": fit_exponent(ns, col("ms"))}
     return res
 
 
@@ -446,15 +493,15 @@ def plot(rows, out_dir, title):
     series = list(dict.fromkeys(r["series"] for r in rows))
     colors = {s: f"C{i}" for i, s in enumerate(series)}
     files = []
-    for what, col, unit, idx in (("memory", "peak_mib", "peak memory above inputs (MiB)", 0),
-                                 ("time", "ms", "time (ms)", 1)):
+    for what, col, unit in (("memory", "peak_mib", "peak memory above the inputs (MiB, allocator)"),
+                            ("time", "ms", "time (ms)")):
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
         for ax, mode in zip(axes, MODES):
             for s in series:
                 rs = curves.get((s, mode))
                 if rs:
                     ax.loglog([int(r["n"]) for r in rs], [max(float(r[col]), 1e-3) for r in rs], "o-",
-                              color=colors[s], label=f"{s} (slope {fits[(s, mode)][idx]:.2f})", base=2)
+                              color=colors[s], label=f"{s} (exponent {fits[(s, mode)][what]:.2f})", base=2)
             ax.set_title(f"{mode}")
             ax.set_xlabel("sequence length n")
             ax.grid(True, which="both", alpha=0.3)
@@ -499,12 +546,17 @@ def _at(curves, series, mode, n):
 def report(rows):
     """The summary table, the ratios and the claims checked, as Markdown text."""
     curves, fits = _ok_rows(rows), exponents(rows)
-    lines = ["| series | mode | largest n | ms | peak MiB | TFLOP/s | % of matmul | memory exponent | time exponent |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["Memory exponent: p in memory = c + a * n^p, from successive differences (the constant c of "
+             "fixed workspaces cancels); in brackets the plain log-log slope over the three largest n, which a "
+             "constant pulls below p. Time exponent: log-log slope over the three largest n.", "",
+             "| series | mode | largest n | ms | peak MiB | RSS MiB | TFLOP/s | % of matmul | memory exponent "
+             "| RSS exponent | time exponent |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (s, mode), rs in curves.items():
-        r = rs[-1]
+        r, f = rs[-1], fits[(s, mode)]
         lines.append(f"| {s} ({r['kernel']}) | {mode} | {r['n']} | {float(r['ms']):.1f} | {float(r['peak_mib']):.1f} | "
-                     f"{float(r['tflops']):.3f} | {r['pct_matmul']} | {fits[(s, mode)][0]:.2f} | {fits[(s, mode)][1]:.2f} |")
+                     f"{r.get('rss_mib') or '-'} | {float(r['tflops']):.3f} | {r['pct_matmul']} | "
+                     f"{f['memory']:.2f} ({f['memory_slope']:.2f}) | {f['rss']:.2f} | {f['time']:.2f} |")
     oom = sorted({(r["series"], r["mode"], int(r["n"])) for r in rows if r["status"].startswith("oom")})
     if oom:
         lines.append("\nOut of memory: " + ", ".join(f"{s} {m} n={n}" for s, m, n in oom))
@@ -538,9 +590,10 @@ def report(rows):
     lines += ["", "## Claims checked", ""]
     fb = "fwd+bwd"
     if ("naive", fb) in fits:
-        e = {s: fits[(s, fb)][0] for s in ("naive", "chunked", "flash") if (s, fb) in fits}
-        lines.append("- \"Attention memory is O(n^2)\": true of the naive path only. Fitted memory exponents (fwd+bwd): "
-                     + ", ".join(f"{s} {x:.2f}" for s, x in e.items()) + ".")
+        e = {s: fits[(s, fb)] for s in ("naive", "chunked", "flash") if (s, fb) in fits}
+        lines.append("- \"Attention memory is O(n^2)\": true of the naive path only. Measured memory exponents "
+                     "(fwd+bwd, allocator; RSS in brackets): "
+                     + ", ".join(f"{s} {x['memory']:.2f} ({x['rss']:.2f})" for s, x in e.items()) + ".")
     r2048 = _at(curves, "naive", "fwd", 2048)
     one = 2048 * 2048 * 4
     claim = (f"- \"At n=2048 one single-precision score matrix takes 16 GB\": one 2048 x 2048 float32 matrix is "
