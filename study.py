@@ -474,13 +474,16 @@ def _ok_rows(rows):
 
 def exponents(rows):
     """{(series, mode): {"memory": growth exponent of peak_mib, "memory_slope": its plain log-log slope,
-    "rss": growth exponent of rss_mib (CPU), "time": log-log slope of ms}}, over the largest n."""
+    "rss_slope": log-log slope of rss_mib (CPU), "time": log-log slope of ms}}, over the largest n.
+
+    RSS gets the plain slope: its few MiB of noise would swamp the differences that the
+    growth exponent is made of."""
     res = {}
     for key, rs in _ok_rows(rows).items():
         ns = [int(r["n"]) for r in rs]
         col = lambda name: [float(r[name]) if r.get(name) else float("nan") for r in rs]  # noqa: E731
         res[key] = {"memory": growth_exponent(ns, col("peak_mib")), "memory_slope": fit_exponent(ns, col("peak_mib")),
-                    "rss": growth_exponent(ns, col("rss_mib")), "time": fit_exponent(ns, col("ms"))}
+                    "rss_slope": fit_exponent(ns, col("rss_mib")), "time": fit_exponent(ns, col("ms"))}
     return res
 
 
@@ -492,6 +495,7 @@ def plot(rows, out_dir, title):
     curves, fits = _ok_rows(rows), exponents(rows)
     series = list(dict.fromkeys(r["series"] for r in rows))
     colors = {s: f"C{i}" for i, s in enumerate(series)}
+    markers = {s: "osD^vx*P"[i % 8] for i, s in enumerate(series)}  # curves that coincide stay visible
     files = []
     for what, col, unit in (("memory", "peak_mib", "peak memory above the inputs (MiB, allocator)"),
                             ("time", "ms", "time (ms)")):
@@ -500,8 +504,8 @@ def plot(rows, out_dir, title):
             for s in series:
                 rs = curves.get((s, mode))
                 if rs:
-                    ax.loglog([int(r["n"]) for r in rs], [max(float(r[col]), 1e-3) for r in rs], "o-",
-                              color=colors[s], label=f"{s} (exponent {fits[(s, mode)][what]:.2f})", base=2)
+                    ax.loglog([int(r["n"]) for r in rs], [max(float(r[col]), 1e-3) for r in rs], "-",
+                              marker=markers[s], fillstyle="none", color=colors[s], label=f"{s} (exponent {fits[(s, mode)][what]:.2f})", base=2)
             ax.set_title(f"{mode}")
             ax.set_xlabel("sequence length n")
             ax.grid(True, which="both", alpha=0.3)
@@ -519,8 +523,8 @@ def plot(rows, out_dir, title):
         for s in series:
             rs = [r for r in curves.get((s, mode), []) if int(r["n"]) in naive]
             if rs and s != "naive":
-                ax.semilogx([int(r["n"]) for r in rs], [naive[int(r["n"])] / float(r["ms"]) for r in rs], "o-",
-                            color=colors[s], label=s, base=2)
+                ax.semilogx([int(r["n"]) for r in rs], [naive[int(r["n"])] / float(r["ms"]) for r in rs], "-",
+                            marker=markers[s], fillstyle="none", color=colors[s], label=s, base=2)
         ax.axhline(1.0, color="gray", lw=1)
         ax.set_title(f"speed-up over naive, {mode}")
         ax.set_xlabel("sequence length n")
@@ -546,17 +550,18 @@ def _at(curves, series, mode, n):
 def report(rows):
     """The summary table, the ratios and the claims checked, as Markdown text."""
     curves, fits = _ok_rows(rows), exponents(rows)
-    lines = ["Memory exponent: p in memory = c + a * n^p, from successive differences (the constant c of "
-             "fixed workspaces cancels); in brackets the plain log-log slope over the three largest n, which a "
-             "constant pulls below p. Time exponent: log-log slope over the three largest n.", "",
+    lines = ["Memory exponent: p in memory = c + a * n^p, from successive differences of the allocator's peak "
+             "(the constant c of fixed workspaces cancels); in brackets the plain log-log slope over the three "
+             "largest n, which a constant pulls below p. RSS slope and time exponent: log-log slopes over the three "
+             "largest n.", "",
              "| series | mode | largest n | ms | peak MiB | RSS MiB | TFLOP/s | % of matmul | memory exponent "
-             "| RSS exponent | time exponent |",
+             "| RSS slope | time exponent |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (s, mode), rs in curves.items():
         r, f = rs[-1], fits[(s, mode)]
         lines.append(f"| {s} ({r['kernel']}) | {mode} | {r['n']} | {float(r['ms']):.1f} | {float(r['peak_mib']):.1f} | "
                      f"{r.get('rss_mib') or '-'} | {float(r['tflops']):.3f} | {r['pct_matmul']} | "
-                     f"{f['memory']:.2f} ({f['memory_slope']:.2f}) | {f['rss']:.2f} | {f['time']:.2f} |")
+                     f"{f['memory']:.2f} ({f['memory_slope']:.2f}) | {f['rss_slope']:.2f} | {f['time']:.2f} |")
     oom = sorted({(r["series"], r["mode"], int(r["n"])) for r in rows if r["status"].startswith("oom")})
     if oom:
         lines.append("\nOut of memory: " + ", ".join(f"{s} {m} n={n}" for s, m, n in oom))
@@ -592,8 +597,8 @@ def report(rows):
     if ("naive", fb) in fits:
         e = {s: fits[(s, fb)] for s in ("naive", "chunked", "flash") if (s, fb) in fits}
         lines.append("- \"Attention memory is O(n^2)\": true of the naive path only. Measured memory exponents "
-                     "(fwd+bwd, allocator; RSS in brackets): "
-                     + ", ".join(f"{s} {x['memory']:.2f} ({x['rss']:.2f})" for s, x in e.items()) + ".")
+                     "(fwd+bwd, allocator; in brackets the plain slope of the process RSS): "
+                     + ", ".join(f"{s} {x['memory']:.2f} ({x['rss_slope']:.2f})" for s, x in e.items()) + ".")
     r2048 = _at(curves, "naive", "fwd", 2048)
     one = 2048 * 2048 * 4
     claim = (f"- \"At n=2048 one single-precision score matrix takes 16 GB\": one 2048 x 2048 float32 matrix is "
@@ -680,6 +685,7 @@ def parse_args(argv=None):
                         "--lengths (default 4096), and report their time ratios (default series: flash, chunked, "
                         "chunked-causal)")
     p.add_argument("--rounds", type=_positive_int, default=10, help="rounds of --compare")
+    p.add_argument("--report", action="store_true", help="measure nothing: redraw plots and summary.md from <out>/study.csv")
     p.add_argument("--target-seconds", type=float, default=0.5, help="time spent on repeats per point (at least 3 repeats)")
     p.add_argument("--mem-limit-gib", type=float, default=None,
                    help="CPU: memory a point may use before it counts as out of memory (default 70%% of available)")
@@ -799,6 +805,13 @@ def main(argv=None, runner=None):
     title = (f"{dev_label}, {dtype}, torch {torch.__version__}, "
              f"{f'B={batch}' if not args.tokens else f'B*n={args.tokens}'}, H={args.heads}, D={args.head_dim}"
              f"{', causal' if args.causal else ''}")
+    if args.report:
+        rows = read_rows(csv_path)
+        if not rows:
+            p.error(f"--report: no measurements in {csv_path}")
+        r = rows[0]  # the title from what was measured, not from this machine
+        title = f"{r['device']}, {r['dtype']}, torch {r['torch']}, B={r['B']}, H={r['H']}, D={r['D']}"
+        return write_report(csv_path, out, title, f"report redrawn from {csv_path}; command: `{command}`")
     if runner is None:
         limit = None
         if device.type == "cpu":
@@ -824,14 +837,18 @@ def main(argv=None, runner=None):
         log.close()
         if isinstance(runner, WorkerRunner):
             runner.close()
+    write_report(csv_path, out, title, f"sweep took {time.time() - t0:.0f} s; command: `{command}`")
+
+
+def write_report(csv_path, out, title, note):
+    """Plots and summary.md from the CSV alone, so that they can be redrawn without measuring (--report)."""
     rows = read_rows(csv_path)
     files = plot(rows, out, title)
-    text = (f"# Attention scaling study\n\n{title}; sweep took {time.time() - t0:.0f} s.\n\nCommand: `{command}`\n\n"
-            + report(rows) + "\n")
+    text = f"# Attention scaling study\n\n{title}\n\n{note}\n\n" + report(rows) + "\n"
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(text)
     print("\n" + text)
-    print("wrote " + ", ".join([csv_path, os.path.join(out, "summary.md")] + files))
+    print("wrote " + ", ".join([os.path.join(out, "summary.md")] + files))
 
 
 if __name__ == "__main__":
