@@ -815,7 +815,8 @@ class TrainConfig:
     save_every: int = _arg(500, "steps between checkpoints (with --out)")
     resume: str | None = _arg(None, "continue from this checkpoint")
     stop_after: int | None = _arg(None, "stop after this step as if interrupted (the schedule still spans --steps)")
-    heatmap: str | None = _arg("runs/attention.png", "PNG of one held-out example's attention after training ('' for none)")
+    heatmap: str | None = _arg("runs/attention.png",
+                               "PNG of one held-out example's attention after training ('' for none)")
     heatmap_layer: int = _arg(-1, "layer of the heatmap (-1: the last)")
     heatmap_head: int = _arg(0, "head of the heatmap")
 
@@ -1023,7 +1024,8 @@ def _train(cfg, device, rank, world, say):
     say(f"training on {device} x {world} process(es), amp={cfg.amp}, impl={mcfg.impl}, steps {start}..{cfg.steps}")
 
     def checkpoint(step):
-        rngs = [{"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}]
+        cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        rngs = [{"cpu": torch.get_rng_state(), "cuda": cuda_rng}]
         if world > 1:
             gathered = [None] * world
             torch.distributed.all_gather_object(gathered, rngs[0])
@@ -1062,7 +1064,8 @@ def _train(cfg, device, rank, world, say):
             acc = ((logits.argmax(-1) == y) & (y != PAD)).sum().item() / (y != PAD).sum().item()
             now = time.time()
             say(f"step {done:5d} | loss {loss_value:.4f} | acc {acc:.3f} | lr {scheduler.get_last_lr()[0]:.2e} | "
-                f"grad norm {norm:.3f} | {tokens / (now - t_log):,.0f} tok/s" + (f" | skipped {skipped}" if skipped else ""))
+                f"grad norm {norm:.3f} | {tokens / (now - t_log):,.0f} tok/s"
+                + (f" | skipped {skipped}" if skipped else ""))
             t_log, tokens = now, 0
         if rank == 0 and (done % cfg.eval_every == 0 or done == last):
             metrics = evaluate(model, held_out, amp_ctx)

@@ -497,26 +497,32 @@ def plot(rows, out_dir, title):
     colors = {s: f"C{i}" for i, s in enumerate(series)}
     markers = {s: "osD^vx*P"[i % 8] for i, s in enumerate(series)}  # curves that coincide stay visible
     files = []
+    def decorate(ax, title):
+        ax.set_title(title)
+        ax.set_xlabel("sequence length n")
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+
+    def save(fig, axes, ylabel, name):
+        axes[0].set_ylabel(ylabel)
+        fig.suptitle(f"{name}: {title}", fontsize=10)
+        fig.tight_layout()
+        files.append(os.path.join(out_dir, f"{name}.png"))
+        fig.savefig(files[-1], dpi=110)
+        plt.close(fig)
+
+    style = {s: dict(marker=markers[s], fillstyle="none", color=colors[s]) for s in series}
     for what, col, unit in (("memory", "peak_mib", "peak memory above the inputs (MiB, allocator)"),
                             ("time", "ms", "time (ms)")):
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
         for ax, mode in zip(axes, MODES):
             for s in series:
-                rs = curves.get((s, mode))
-                if rs:
-                    ax.loglog([int(r["n"]) for r in rs], [max(float(r[col]), 1e-3) for r in rs], "-",
-                              marker=markers[s], fillstyle="none", color=colors[s], label=f"{s} (exponent {fits[(s, mode)][what]:.2f})", base=2)
-            ax.set_title(f"{mode}")
-            ax.set_xlabel("sequence length n")
-            ax.grid(True, which="both", alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=8)
-        axes[0].set_ylabel(unit)
-        fig.suptitle(f"{what}: {title}", fontsize=10)
-        fig.tight_layout()
-        files.append(os.path.join(out_dir, f"{what}.png"))
-        fig.savefig(files[-1], dpi=110)
-        plt.close(fig)
+                if rs := curves.get((s, mode)):
+                    ax.loglog([int(r["n"]) for r in rs], [max(float(r[col]), 1e-3) for r in rs], "-", base=2,
+                              label=f"{s} (exponent {fits[(s, mode)][what]:.2f})", **style[s])
+            decorate(ax, mode)
+        save(fig, axes, unit, what)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
     for ax, mode in zip(axes, MODES):
         naive = {int(r["n"]): float(r["ms"]) for r in curves.get(("naive", mode), [])}
@@ -524,19 +530,10 @@ def plot(rows, out_dir, title):
             rs = [r for r in curves.get((s, mode), []) if int(r["n"]) in naive]
             if rs and s != "naive":
                 ax.semilogx([int(r["n"]) for r in rs], [naive[int(r["n"])] / float(r["ms"]) for r in rs], "-",
-                            marker=markers[s], fillstyle="none", color=colors[s], label=s, base=2)
+                            base=2, label=s, **style[s])
         ax.axhline(1.0, color="gray", lw=1)
-        ax.set_title(f"speed-up over naive, {mode}")
-        ax.set_xlabel("sequence length n")
-        ax.grid(True, which="both", alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    axes[0].set_ylabel("naive time / path time")
-    fig.suptitle(f"speed-up: {title}", fontsize=10)
-    fig.tight_layout()
-    files.append(os.path.join(out_dir, "speedup.png"))
-    fig.savefig(files[-1], dpi=110)
-    plt.close(fig)
+        decorate(ax, f"speed-up over naive, {mode}")
+    save(fig, axes, "naive time / path time", "speedup")
     return files
 
 
@@ -574,7 +571,8 @@ def report(rows):
             if common:
                 n = common[-1]
                 a, b = _at(curves, "naive", mode, n), _at(curves, other, mode, n)
-                lines.append(f"- {mode} n={n}: naive/{other} memory {float(a['peak_mib']) / max(float(b['peak_mib']), 1e-3):.1f}x, "
+                mem_ratio = float(a["peak_mib"]) / max(float(b["peak_mib"]), 1e-3)
+                lines.append(f"- {mode} n={n}: naive/{other} memory {mem_ratio:.1f}x, "
                              f"time {float(a['ms']) / float(b['ms']):.2f}x")
     pairs = [("flash", "chunked", "Throughput of the chunked path relative to the fused kernel (flash time / chunked "
                                   "time; 1.00x = as fast)"),
@@ -658,14 +656,17 @@ def _chunk_size(text):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where to measure (auto: CUDA if present)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where to measure (auto: CUDA if present)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="auto: bfloat16 on a GPU that has it, float32 on CPU")
     p.add_argument("--series", default=None,
                    help="comma-separated subset of series names to run (default: all for the device; see --list)")
     p.add_argument("--list", action="store_true", help="print the series of this configuration and exit")
-    p.add_argument("--lengths", type=_lengths, default=None, help="comma-separated sequence lengths (default: powers of two that fit)")
+    p.add_argument("--lengths", type=_lengths, default=None,
+                   help="comma-separated sequence lengths (default: powers of two that fit)")
     p.add_argument("--batch", type=_positive_int, default=None, help="batch size B (default 1 on CPU, 4 on CUDA)")
     p.add_argument("--tokens", type=_positive_int, default=None,
                    help="fixed total tokens instead of a fixed batch: B = tokens // n (FlashAttention's benchmarks)")
@@ -685,8 +686,10 @@ def parse_args(argv=None):
                         "--lengths (default 4096), and report their time ratios (default series: flash, chunked, "
                         "chunked-causal)")
     p.add_argument("--rounds", type=_positive_int, default=10, help="rounds of --compare")
-    p.add_argument("--report", action="store_true", help="measure nothing: redraw plots and summary.md from <out>/study.csv")
-    p.add_argument("--target-seconds", type=float, default=0.5, help="time spent on repeats per point (at least 3 repeats)")
+    p.add_argument("--report", action="store_true",
+                   help="measure nothing: redraw plots and summary.md from <out>/study.csv")
+    p.add_argument("--target-seconds", type=float, default=0.5,
+                   help="time spent on repeats per point (at least 3 repeats)")
     p.add_argument("--mem-limit-gib", type=float, default=None,
                    help="CPU: memory a point may use before it counts as out of memory (default 70%% of available)")
     args = p.parse_args(argv)
@@ -717,8 +720,12 @@ def configure(args, p):
     else:
         dtype = "float32"
     cpu = device.type == "cpu"
-    lengths = args.lengths or ([256, 512, 1024] if args.quick else
-                               [256, 512, 1024, 2048, 4096, 8192] if cpu else [512, 1024, 2048, 4096, 8192, 16384, 32768])
+    if args.lengths:
+        lengths = args.lengths
+    elif args.quick:
+        lengths = [256, 512, 1024]
+    else:
+        lengths = [2**i for i in (range(8, 14) if cpu else range(9, 16))]  # CPU 256..8192, CUDA 512..32768
     # on a CPU the quadratic naive path (and the causal ratio) stop at 4096, so that the sweep stays
     # within about 3 minutes; the linear-memory paths go on to 8192 to show their slope
     cpu_max_n = 4096 if cpu and not args.lengths and not args.quick else None

@@ -39,7 +39,8 @@ def reference(q, k, v, keep=None, bias=None, dropout_p=0.0):
         dead = ~keep.any(-1, keepdim=True)
         mask = keep | dead
     if bias is not None:
-        mask = bias.double() if mask is None else torch.zeros_like(bias, dtype=torch.double).masked_fill(~mask, -math.inf) + bias.double()
+        bias = bias.double()
+        mask = bias if mask is None else torch.zeros_like(bias).masked_fill(~mask, -math.inf) + bias
         dead = torch.isneginf(mask).all(-1, keepdim=True)
         mask = mask.masked_fill(dead, 0.0)
     with sdpa_kernel(SDPBackend.MATH):
