@@ -39,7 +39,7 @@ import math
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
@@ -778,9 +778,9 @@ def _choices(*values):
     return {"choices": values}
 
 
-def _arg(default, help, **kw):
-    from dataclasses import field
-    return field(default=default, metadata={"help": help, **kw})
+def _arg(default, text, **kw):
+    """A TrainConfig field with its --help text: the dataclass is the one place defaults live."""
+    return field(default=default, metadata={"help": text, **kw})
 
 
 @dataclass
@@ -966,6 +966,8 @@ def train(cfg, log=print):
     draws its own batches, gradients are averaged, rank 0 alone logs and saves).
     """
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {cfg.device}: no CUDA device is available here")
     if "LOCAL_RANK" in os.environ and device.type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     rank, world = _setup_distributed(device)
@@ -1031,7 +1033,6 @@ def _train(cfg, device, rank, world, say):
             torch.distributed.all_gather_object(gathered, rngs[0])
             rngs = gathered
         if rank == 0:
-            from dataclasses import asdict
             save_checkpoint(cfg.out, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                       "scaler": scaler.state_dict(), "scheduler": scheduler.state_dict(),
                                       "step": step, "rng": rngs, "model_config": asdict(mcfg)})
