@@ -176,11 +176,12 @@ def _full_mask(attn_mask, is_causal, window_size, Lq, Lk, device):
     mask = _mask_block(attn_mask, is_causal, window_size, 0, Lq, 0, Lk, device)
     if mask is None:
         return None, None
+    # no `if dead.any()`: that would stall a GPU on every call to ask the host
     if mask.dtype == torch.bool:
         dead = ~mask.any(-1, keepdim=True)
-        return (mask | dead if dead.any() else mask), dead
+        return mask | dead, dead
     dead = torch.isneginf(mask).all(-1, keepdim=True)
-    return (mask.masked_fill(dead, 0.0) if dead.any() else mask), dead
+    return mask.masked_fill(dead, 0.0), dead
 
 
 def _check_args(q, k, v, attn_mask, dropout_p, scale, window_size):
