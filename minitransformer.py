@@ -440,7 +440,7 @@ class MultiHeadAttention(nn.Module):
     """MultiHead(X) = Concat(head_1, ..., head_h) W^O,  head_i = Attention(X W_i^Q, X W_i^K, X W_i^V).
 
     x: (B, T, C) with C = d_model, batch first. The three input projections are one
-    (C, 3C) linear layer, laid out as nn.MultiheadAttention's in_proj_weight.
+    C -> 3C linear layer, its weight laid out as nn.MultiheadAttention's in_proj_weight.
     rope: an optional RotaryEmbedding applied to q and k of every head.
     """
 
@@ -471,7 +471,6 @@ class MultiHeadAttention(nn.Module):
         if self.rope is not None:
             q, k = self.rope(q), self.rope(k)
         p = self.dropout if self.training else 0.0
-        weights = None
         if need_weights:  # only the naive path materialises the weights
             y, weights = naive_attention(q, k, v, attn_mask, p, is_causal, window_size=self.window_size)
         else:
@@ -479,7 +478,7 @@ class MultiHeadAttention(nn.Module):
                           chunk_size=self.chunk_size)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
         y = self.proj(y)
-        return (y, weights) if need_weights else y
+        return (y, weights) if need_weights else y  # weights: (B, nh, T, T)
 
     @classmethod
     def from_torch(cls, m, impl="flash"):
