@@ -35,6 +35,7 @@ Mask convention, the same in every path (it is SDPA's):
 """
 
 import argparse
+import gc
 import math
 import os
 import time
@@ -975,6 +976,9 @@ def train(cfg, log=print):
     try:
         result = _train(cfg, device, rank, world, say)
         if world > 1:
+            # DDP's reducer sits in reference cycles: collect it now, while its process group
+            # lives, not at interpreter exit (where gloo's threads then abort the process)
+            gc.collect()
             torch.distributed.barrier()  # no rank tears down while another still talks to it
         return result
     finally:
