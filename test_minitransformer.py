@@ -7,6 +7,9 @@ plus a floor.
 """
 
 import math
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import minitransformer as mt
+import study
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -439,8 +443,6 @@ def test_cuda_flash_kernel_is_fused():
 
 # ----------------------------------------------------------------------------- study.py
 
-import study  # noqa: E402  (the study's tests are grouped here, after the module's)
-
 
 def test_attention_flops_follow_flashattention_convention():
     assert study.attention_flops(2, 3, 128, 64) == 4 * 2 * 3 * 128 * 128 * 64
@@ -558,9 +560,6 @@ def test_study_end_to_end_measures_real_memory(tmp_path):
 
 
 # ----------------------------------------------------------------------------- training loop
-
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 SMALL = dict(steps=120, batch_size=32, d_model=64, n_heads=2, n_layers=2, d_ff=128, vocab_size=12, min_len=3,
              max_len=10, warmup=20, lr=3e-3, eval_size=200, log_every=1000, eval_every=1000, heatmap=None)
@@ -684,9 +683,9 @@ def test_cli_rejects_bad_options(argv, capsys):
 def test_torchrun_two_processes_keep_identical_parameters(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "minitransformer.py",
            "--steps", "6", "--log-every", "3", "--eval-size", "50", "--heatmap", "", "--out", str(tmp_path / "ck.pt")]
-    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env,
-                         cwd=__import__("os").path.dirname(__file__) or ".")
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
     assert run.returncode == 0, run.stdout + run.stderr
     assert "training on cpu x 2 process(es)" in run.stdout
     assert "max parameter difference across 2 ranks: 0" in run.stdout
