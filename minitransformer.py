@@ -381,8 +381,14 @@ def _sdpa_inputs(q, k, attn_mask, is_causal, window_size):
 def _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale):
     # torch._fused_sdp_choice is the very function SDPA consults to pick its kernel,
     # and it honours an enclosing sdpa_kernel(...) restriction.
-    choice = SDPBackend(torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale))
-    return next(name for name, backend in _KERNELS.items() if backend == choice)
+    try:
+        choice = SDPBackend(torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale))
+    except RuntimeError as e:  # every enabled kernel refuses these inputs
+        raise RuntimeError(f"no enabled SDPA kernel can run these inputs: {str(e).splitlines()[0]}") from e
+    names = [name for name, backend in _KERNELS.items() if backend == choice]
+    if not names:
+        raise RuntimeError(f"no enabled SDPA kernel can run these inputs (SDPA chose {choice})")
+    return names[0]
 
 
 def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, window_size=None):
@@ -608,6 +614,9 @@ class EncoderLayer(nn.Module):
         return self.dropout2(self.linear2(self.dropout(self.activation(self.linear1(x)))))
 
     def forward(self, x, attn_mask=None, is_causal=False):
+        d_model = self.linear1.in_features
+        if x.dim() != 3 or x.size(-1) != d_model:  # before LayerNorm, whose own error is less clear
+            raise ValueError(f"expected x of shape (B, T, {d_model}), got {tuple(x.shape)}")
         if self.norm_first:
             x = x + self._sa(self.norm1(x), attn_mask, is_causal)
             return x + self._ff(self.norm2(x))

@@ -113,6 +113,10 @@ class PointOOM(Exception):
     """A point ran out of memory: recorded in the CSV, never a crash."""
 
 
+class PointUnsupported(Exception):
+    """A forced SDPA kernel cannot run these inputs on this device: recorded, the curve skipped."""
+
+
 def _is_oom(e):
     if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
         return True
@@ -207,8 +211,15 @@ def _attention_call(spec, q, k, v):
     """The call measured for one series: returns (fn, kernel label)."""
     kw = dict(is_causal=spec["causal"], window_size=spec["window"])
     path = spec["path"]
-    if path in SDPA_SERIES:  # one fused kernel forced; SDPA raises if it cannot run
+    if path in SDPA_SERIES:  # one fused kernel forced, if this GPU and these inputs allow it
         backend = mt._KERNELS[SDPA_SERIES[path]]
+        try:
+            with torch.nn.attention.sdpa_kernel(backend):
+                chosen = mt._chosen_kernel(q, k, v, None, 0.0, spec["causal"], None)
+        except RuntimeError:
+            chosen = None
+        if chosen != SDPA_SERIES[path]:
+            raise PointUnsupported(f"SDPA's {SDPA_SERIES[path]} kernel does not support these inputs here")
 
         def fn():
             with torch.nn.attention.sdpa_kernel(backend):
@@ -326,6 +337,8 @@ def _worker(conn, mem_limit_bytes):
             measure = {"matmul": measure_matmul, "compare": measure_compare}.get(spec.get("kind"), measure_point)
             result = measure(spec)
             conn.send(("ok", result))
+        except PointUnsupported as e:
+            conn.send(("unsupported", str(e)))
         except Exception as e:  # only OOM is data; anything else goes back as a failure
             conn.send(("oom", str(e).splitlines()[0][:200]) if _is_oom(e) else ("error", traceback.format_exc()))
 
@@ -354,6 +367,8 @@ class WorkerRunner:
             raise PointOOM(f"worker killed (exit code {code}), most likely out of memory") from None
         if status == "oom":
             raise PointOOM(payload)
+        if status == "unsupported":
+            raise PointUnsupported(payload)
         if status == "error":
             raise RuntimeError(f"measurement failed for {spec}:\n{payload}")
         return payload
@@ -440,7 +455,7 @@ def sweep(points, runner, log, done, ceiling, say=print):
             say(f"{label}: already measured, skipped (--resume)")
             continue
         if (p["series"], p["mode"]) in stopped:
-            row = {**base, "status": "skipped: oom at smaller n"}
+            row = {**base, "status": "skipped: oom or unsupported at smaller n"}
         else:
             try:
                 r = runner(p)
@@ -455,6 +470,10 @@ def sweep(points, runner, log, done, ceiling, say=print):
                 stopped.add((p["series"], p["mode"]))
                 row = {**base, "status": f"oom: {e}"[:120]}
                 say(f"{label}: out of memory, curve stops here")
+            except PointUnsupported as e:
+                stopped.add((p["series"], p["mode"]))
+                row = {**base, "status": f"unsupported: {e}"[:120]}
+                say(f"{label}: {e}, series skipped")
         log.write(row)
 
 

@@ -204,6 +204,10 @@ def test_flash_never_falls_back_silently():
         mt.flash_attention(q, k, v, dropout_p=0.1, on_math="raise")
     with sdpa_kernel(SDPBackend.MATH):  # a caller's restriction is seen too
         assert mt.sdpa_kernel_name(q, k, v) == "math"
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), pytest.raises(RuntimeError, match="no enabled SDPA kernel"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's own note on why its flash kernel refuses
+            mt.flash_attention(q, k, v, dropout_p=0.1)  # the only enabled kernel refuses dropout on CPU
 
 
 @pytest.mark.parametrize("impl", mt.IMPLS)
@@ -394,6 +398,9 @@ def test_bad_inputs_raise_clear_errors():
         mt.MultiHeadAttention(64, 2)(torch.randn(2, 5, 32))
     with pytest.raises(ValueError, match="expected x of shape"):
         mt.MultiHeadAttention(64, 2)(torch.randn(5, 64))
+    for norm_first in (False, True):
+        with pytest.raises(ValueError, match=r"expected x of shape \(B, T, 64\), got \(2, 5, 32\)"):
+            mt.EncoderLayer(64, 2, 128, norm_first=norm_first)(torch.randn(2, 5, 32))
     model = mt.Encoder(mt.EncoderConfig(vocab_size=10, max_len=8, d_model=64, n_heads=2))
     with pytest.raises(ValueError, match="sequence length 9 exceeds max_len=8"):
         model(torch.zeros(1, 9, dtype=torch.long))
@@ -472,14 +479,16 @@ def test_fit_exponent():
     assert math.isnan(study.fit_exponent([256], [1.0]))
 
 
-def fake_runner(calls, oom=lambda s: False, fail=lambda s: False):
-    """Stands in for the worker: quadratic time, linear memory; injects OOM or a real bug."""
+def fake_runner(calls, oom=lambda s: False, fail=lambda s: False, unsupported=lambda s: False):
+    """Stands in for the worker: quadratic time, linear memory; injects OOM, an unsupported kernel or a bug."""
     def run(spec):
         if spec.get("kind") == "matmul":
             return {"tflops": 1.0}
         calls.append((spec["series"], spec["mode"], spec["n"]))
         if oom(spec):
             raise study.PointOOM("injected")
+        if unsupported(spec):
+            raise study.PointUnsupported("injected: kernel not available")
         if fail(spec):
             raise ValueError("a real bug")
         return {"kernel": spec["path"], "ms": spec["n"] ** 2 / 1e4, "peak_mib": spec["n"] / 10, "rss_mib": None}
@@ -505,6 +514,15 @@ def test_sweep_records_oom_and_goes_on(tmp_path):
         (tmp_path / name).unlink()
     study.main(["--device", "cpu", "--out", str(tmp_path), "--report"])  # redrawn from the CSV alone
     assert "Claims checked" in (tmp_path / "summary.md").read_text() and (tmp_path / "memory.png").exists()
+
+
+def test_sweep_records_an_unsupported_kernel_and_goes_on(tmp_path):
+    calls = []
+    study.main(ARGS + ["--out", str(tmp_path)], runner=fake_runner(calls, unsupported=lambda s: s["series"] == "naive"))
+    status = {(r["series"], r["mode"], int(r["n"])): r["status"] for r in study.read_rows(tmp_path / "study.csv")}
+    assert status[("naive", "fwd", 64)].startswith("unsupported")
+    assert status[("naive", "fwd", 128)].startswith("skipped") and ("naive", "fwd", 128) not in calls
+    assert all(status[("chunked", m, n)] == "ok" for m in study.MODES for n in (64, 128, 256))
 
 
 def test_sweep_fails_loudly_on_a_real_error_and_keeps_earlier_rows(tmp_path):
@@ -727,3 +745,13 @@ def test_compare_interleaves_series_with_their_own_chunk_sizes(tmp_path):
                 "--heads", "2", "--head-dim", "16", "--rounds", "2", "--mode", "fwd", "--out", str(tmp_path)])
     text = (tmp_path / "compare.md").read_text()
     assert "| chunked@32x64 | chunked |" in text and "| flash / chunked-causal |" in text
+
+
+def test_forced_sdpa_kernels_run_or_are_reported_unsupported():
+    # on a CPU, SDPA has a flash kernel but no efficient or cuDNN one
+    spec = {"device": "cpu", "dtype": "float32", "B": 1, "H": 2, "n": 64, "D": 16, "mode": "fwd", "causal": True,
+            "window": None, "chunk_size": None, "min_repeats": 1, "target_s": 0.01}
+    assert study.measure_point({**spec, "path": "sdpa-flash"})["kernel"] == "flash"
+    for path in ("sdpa-efficient", "sdpa-cudnn"):
+        with pytest.raises(study.PointUnsupported, match="does not support"):
+            study.measure_point({**spec, "path": path})
