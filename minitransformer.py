@@ -185,12 +185,16 @@ def _full_mask(attn_mask, is_causal, window_size, Lq, Lk, device):
     return mask.masked_fill(dead, 0.0), dead
 
 
+def _check_window(window_size):
+    if window_size is not None and (not isinstance(window_size, int) or window_size < 0):
+        raise ValueError(f"window_size must be a non-negative int or None, got {window_size!r}")
+
+
 def _check_args(q, k, v, attn_mask, dropout_p, scale, window_size):
     _check_qkv(q, k, v)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
-    if window_size is not None and (not isinstance(window_size, int) or window_size < 0):
-        raise ValueError(f"window_size must be a non-negative int or None, got {window_size!r}")
+    _check_window(window_size)
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
     return _check_mask(attn_mask, q, k), scale
 
@@ -678,8 +682,7 @@ class EncoderConfig:
             raise ValueError(f"rope needs an even head size, got d_model/n_heads = {self.d_model // self.n_heads}")
         if self.chunk_size is not None:
             _chunks(self.chunk_size)
-        if self.window_size is not None and (not isinstance(self.window_size, int) or self.window_size < 0):
-            raise ValueError(f"window_size must be a non-negative int or None, got {self.window_size!r}")
+        _check_window(self.window_size)
 
 
 class Encoder(nn.Module):
@@ -723,7 +726,8 @@ class Encoder(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx, attn_mask=None, is_causal=False):
+    def _embed(self, idx):
+        """Checked token ids (B, T) -> PosEnc(Embed(idx) * sqrt(d_model)), (B, T, d_model)."""
         c = self.config
         if idx.dim() != 2 or idx.dtype.is_floating_point or idx.dtype == torch.bool:
             raise ValueError(f"idx must be integer token ids of shape (B, T), got {tuple(idx.shape)} {idx.dtype}")
@@ -731,7 +735,10 @@ class Encoder(nn.Module):
         if idx.numel() and (idx.min() < 0 or idx.max() >= c.vocab_size):
             raise ValueError(f"token ids must lie in [0, {c.vocab_size}), got min {int(idx.min())} "
                              f"max {int(idx.max())}")
-        x = self.pos(self.embed(idx) * math.sqrt(c.d_model))  # (B, T, d_model)
+        return self.pos(self.embed(idx) * math.sqrt(c.d_model))
+
+    def forward(self, idx, attn_mask=None, is_causal=False):
+        x = self._embed(idx)  # (B, T, d_model)
         for layer in self.layers:
             x = layer(x, attn_mask, is_causal)
         return self.norm(x)
@@ -739,7 +746,7 @@ class Encoder(nn.Module):
     def attention_weights(self, idx, attn_mask=None, is_causal=False, layer=-1):
         """Attention probabilities (B, H, T, T) of one layer, through the naive path: what a heatmap shows."""
         layer = range(len(self.layers))[layer]  # negative indices count from the last layer
-        x = self.pos(self.embed(idx) * math.sqrt(self.config.d_model))
+        x = self._embed(idx)
         for block in self.layers[:layer]:
             x = block(x, attn_mask, is_causal)
         block = self.layers[layer]
