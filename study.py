@@ -770,15 +770,8 @@ def _device_label(device):
     return f"cpu:{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
 
 
-def compare(args, p, runner, command):
+def compare(args, device, dtype, lengths, series, B, modes, runner, out, command):
     """--compare: interleaved side-by-side timing; prints and writes <out>/compare.md."""
-    if args.lengths is None:
-        args.lengths = [4096]
-    if args.series is None:
-        args.series = "flash,chunked,chunked-causal"
-    device, dtype, lengths, series = configure(args, p)
-    modes = MODES if args.mode == "both" else (args.mode,)
-    B = args.batch or (1 if device.type == "cpu" else 4)
     lines = [f"# Side-by-side timing ({args.rounds} interleaved rounds, median)", "",
              f"{_device_label(device)}, {dtype}, torch {torch.__version__}, B={B}, H={args.heads}, D={args.head_dim}",
              "", f"Command: `{command}`", ""]
@@ -799,8 +792,6 @@ def compare(args, p, runner, command):
                     lines.append(f"| {a} / {b} | {ratio:.2f}x |")
             lines.append("")
             print("\n".join(lines[-(len(names) * 2 + 8):]))
-    out = args.out or os.path.join("results", device.type)
-    os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "compare.md"), "w") as f:
         f.write("\n".join(lines))
     print(f"wrote {os.path.join(out, 'compare.md')}")
@@ -810,24 +801,34 @@ def main(argv=None, runner=None):
     """Run the sweep; `runner(spec) -> result` may be injected (tests), else a WorkerRunner measures."""
     args, p = parse_args(argv)
     command = "python study.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    if args.compare:
-        own = runner is None
-        runner = runner or WorkerRunner(None)
-        try:
-            return compare(args, p, runner, command)
-        finally:
-            if own:
-                runner.close()
+    if args.compare:  # its own defaults: the issue's side-by-side point
+        args.lengths = args.lengths or [4096]
+        args.series = args.series or "flash,chunked,chunked-causal"
     device, dtype, lengths, series = configure(args, p)
     if args.list:
         print("\n".join(s.name for s in series))
         return
     out = args.out or os.path.join("results", device.type)
     os.makedirs(out, exist_ok=True)
-    csv_path = os.path.join(out, "study.csv")
-    dev_label = _device_label(device)
     modes = MODES if args.mode == "both" else (args.mode,)
     batch = args.batch or (1 if device.type == "cpu" else 4)
+    if runner is None:  # the worker process starts at its first measurement, not here
+        limit = None
+        if device.type == "cpu" and not args.compare:
+            limit = int((args.mem_limit_gib * 2**30) if args.mem_limit_gib else 0.7 * _available_bytes())
+        runner = WorkerRunner(limit)
+    try:
+        if args.compare:
+            return compare(args, device, dtype, lengths, series, batch, modes, runner, out, command)
+        return _sweep_and_report(args, p, device, dtype, lengths, series, batch, modes, runner, out, command)
+    finally:
+        if isinstance(runner, WorkerRunner):
+            runner.close()
+
+
+def _sweep_and_report(args, p, device, dtype, lengths, series, batch, modes, runner, out, command):
+    csv_path = os.path.join(out, "study.csv")
+    dev_label = _device_label(device)
     title = (f"{dev_label}, {dtype}, torch {torch.__version__}, "
              f"{f'B={batch}' if not args.tokens else f'B*n={args.tokens}'}, H={args.heads}, D={args.head_dim}"
              f"{', causal' if args.causal else ''}")
@@ -838,11 +839,6 @@ def main(argv=None, runner=None):
         r = rows[0]  # the title from what was measured, not from this machine
         title = f"{r['device']}, {r['dtype']}, torch {r['torch']}, B={r['B']}, H={r['H']}, D={r['D']}"
         return write_report(csv_path, out, title, f"report redrawn from {csv_path}; command: `{command}`")
-    if runner is None:
-        limit = None
-        if device.type == "cpu":
-            limit = int((args.mem_limit_gib * 2**30) if args.mem_limit_gib else 0.7 * _available_bytes())
-        runner = WorkerRunner(limit)
     log = CsvLog(csv_path, args.resume)
     done = {_key(r) for r in read_rows(csv_path) if r["status"] == "ok"} if args.resume else set()
     t0 = time.time()
@@ -861,8 +857,6 @@ def main(argv=None, runner=None):
         sweep(points, lambda pt: runner({**pt, "device": device.type}), log, done, ceiling)
     finally:
         log.close()
-        if isinstance(runner, WorkerRunner):
-            runner.close()
     write_report(csv_path, out, title, f"sweep took {time.time() - t0:.0f} s; command: `{command}`")
 
 
