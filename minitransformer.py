@@ -35,12 +35,14 @@ Mask convention, the same in every path (it is SDPA's):
 """
 
 import argparse
+import contextlib
 import gc
 import math
 import os
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -60,6 +62,24 @@ def causal_mask(Lq, Lk=None, device=None):
     return torch.ones(Lq, Lk, dtype=torch.bool, device=device).tril()
 
 
+def _check_range(t, lo, hi, name):
+    """Raise unless lo <= t < hi everywhere, without a host-device sync.
+
+    Reading a value on the host (`if t.max() >= hi`) would stall a GPU until its queue
+    drains, and breaks torch.compile's graph. On the CPU the values are read directly
+    (no sync, and the error names them); elsewhere, and under compilation, the check
+    is a device-side assert, raised when the device reaches it.
+    """
+    if t.numel() == 0:
+        return
+    if t.device.type == "cpu" and not torch.compiler.is_compiling():
+        t_min, t_max = (x.tolist() for x in torch.aminmax(t))  # tolist: no aten::_local_scalar_dense
+        if t_min < lo or t_max >= hi:
+            raise ValueError(f"{name} must lie in [{lo}, {hi}), got min {t_min} max {t_max}")
+    else:
+        torch._assert_async(((t >= lo) & (t < hi)).all(), f"{name} must lie in [{lo}, {hi})")
+
+
 def padding_mask(lengths, max_len):
     """Boolean (B, 1, 1, max_len) mask, True on the first lengths[b] keys of sequence b.
 
@@ -69,8 +89,7 @@ def padding_mask(lengths, max_len):
     lengths = torch.as_tensor(lengths)
     if lengths.dim() != 1 or lengths.dtype.is_floating_point:
         raise ValueError(f"lengths must be a 1-D integer tensor, got shape {tuple(lengths.shape)} {lengths.dtype}")
-    if (lengths < 0).any() or (lengths > max_len).any():
-        raise ValueError(f"lengths must lie in [0, {max_len}], got {lengths.tolist()}")
+    _check_range(lengths, 0, max_len + 1, "lengths")
     keep = torch.arange(max_len, device=lengths.device) < lengths[:, None]  # (B, L)
     return keep[:, None, None, :]  # (B, 1, 1, L)
 
@@ -235,19 +254,41 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 #     dV_j += P_j^T dO,   dP_j = dO V_j^T,   dS_j = P_j * (dP_j - rowsum(dO * O)),
 #     dQ += dS_j K_j * scale,   dK_j += dS_j^T Q * scale.
 # With dropout, P_j is replaced by P_j * Z_j / (1 - p) in the products with V and
-# dO; the masks Z_j are regenerated from a seed, block by block.
+# dO; Z is a hash of (seed, b, h, i, j), so the backward regenerates the forward's
+# mask without storing it, and the seed never has to be read on the host.
 # As in FlashAttention, scores are kept in base 2: exp(x) = exp2(x * log2(e)), and
 # log2(e) is folded into the scale of q, because exp2 is about 3x cheaper than exp
 # on CPUs and exponentiation is the largest cost after the matrix products.
+#
+# For torch.compile the block loops are one opaque operator (torch.library.custom_op):
+# the compiler sees a single call with known output shapes (register_fake) and its
+# backward (register_autograd), and never unrolls the loops, so compile time does
+# not grow with the number of blocks, and a new length needs no new trace of them.
 
 LOG2E = math.log2(math.e)
+_M32 = 0xFFFFFFFF
 
 
-def _dropout_keep(shape, dropout_p, seed, block_id, device):
-    """The dropout mask of one block, the same in forward and backward: (seed, block_id) fixes it."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed + block_id)
-    return torch.rand(shape, generator=gen, device=device) >= dropout_p
+def _mix32(x):
+    """A 32-bit integer hash, int64 tensors in [0, 2^32) -> [0, 2^32): xor-shift-multiply rounds
+    (a bijection with good avalanche). The multiplier is below 2^27: no product overflows int64."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
+
+
+def _dropout_keep(seed, dropout_p, B, H, Lq, q0, q1, k0, k1):
+    """Dropout's keep-mask of the block [q0:q1, k0:k1], (B, H, q1-q0, k1-k0), True with probability 1 - p.
+
+    seed: int64 tensor of shape (), in [0, 2^32), on the device. The mask is a pure
+    function of (seed, b, h, i, j): forward and backward, and any block size, draw the same.
+    """
+    device = seed.device
+    bh = torch.arange(B * H, device=device).view(B, H, 1, 1)  # (B, H, 1, 1)
+    rows = bh * Lq + torch.arange(q0, q1, device=device)[:, None]  # (B, H, cq, 1): one id per (b, h, i)
+    row_key = _mix32(_mix32((rows & _M32) ^ seed) ^ (rows >> 32))
+    col_key = _mix32(torch.arange(k0, k1, device=device))  # (ck,)
+    return _mix32(row_key ^ col_key) >= round(dropout_p * 2**32)  # (B, H, cq, ck)
 
 
 def _chunks(chunk_size):
@@ -265,80 +306,103 @@ def _block_scores(qi, k, attn_mask, is_causal, window_size, q0, q1, k0, k1, acc_
     return _apply_mask(s, mask, bias_scale=LOG2E)
 
 
-class _ChunkedAttention(torch.autograd.Function):
+@torch.library.custom_op("minitransformer::chunked_attention_fwd", mutates_args=())
+def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                 seed: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
+                 window_size: Optional[int], cq: int, ck: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward of chunked attention: out (B, H, Lq, Dv) and lse (B, H, Lq, 1), base 2, float32 or wider."""
+    B, H, Lq, D = q.shape
+    Lk, Dv = k.size(-2), v.size(-1)
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)  # accumulate low precision in float32
+    out = torch.empty(B, H, Lq, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, Lq, 1, dtype=acc_dtype, device=q.device)
+    for q0 in range(0, Lq, cq):
+        q1 = min(q0 + cq, Lq)
+        qi = q[:, :, q0:q1] * (scale * LOG2E)  # (B, H, cq, D); cheaper than scaling the scores
+        m = torch.full((B, H, q1 - q0, 1), float("-inf"), dtype=acc_dtype, device=q.device)
+        l = torch.zeros_like(m)
+        acc = torch.zeros(B, H, q1 - q0, Dv, dtype=acc_dtype, device=q.device)
+        for k0, k1 in _key_blocks(q0, q1, Lk, ck, is_causal, window_size):
+            s = _block_scores(qi, k, attn_mask, is_causal, window_size, q0, q1, k0, k1, acc_dtype)
+            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+            # a row masked so far has m_new = -inf, and exp(-inf - (-inf)) = NaN; clamping to
+            # the lowest finite value makes it exp(-inf) = 0 and leaves every other row alone
+            m_safe = m_new.clamp(min=torch.finfo(acc_dtype).min)
+            s.sub_(m_safe).exp2_()  # P_j, in place: no second block-sized buffer
+            alpha = torch.exp2(m - m_safe)
+            l.mul_(alpha).add_(s.sum(-1, keepdim=True))
+            if dropout_p > 0.0:
+                keep = _dropout_keep(seed, dropout_p, B, H, Lq, q0, q1, k0, k1)
+                s.mul_(keep).mul_(1.0 / (1.0 - dropout_p))  # normaliser l already taken: kept weights scaled up
+            acc.mul_(alpha).add_(s.to(v.dtype) @ v[:, :, k0:k1])
+            m = m_new
+        dead = l == 0  # every key masked: output 0, and lse = +inf so the backward sees P = 0
+        out[:, :, q0:q1] = (acc / l.masked_fill(dead, 1.0)).to(q.dtype)
+        lse[:, :, q0:q1] = torch.where(dead, float("inf"), m + torch.log2(l))  # base 2
+    return out, lse
 
-    @staticmethod
-    def forward(ctx, q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, chunk_size):
-        B, H, Lq, D = q.shape
-        Lk, Dv = k.size(-2), v.size(-1)
-        cq, ck = _chunks(chunk_size)
-        seed = int(torch.randint(0, 2**62, ())) if dropout_p > 0.0 else 0
-        acc_dtype = torch.promote_types(q.dtype, torch.float32)  # accumulate low precision in float32
-        out = torch.empty(B, H, Lq, Dv, dtype=q.dtype, device=q.device)
-        lse = torch.empty(B, H, Lq, 1, dtype=acc_dtype, device=q.device)
-        n_kblocks = -(-Lk // ck)
-        for qb, q0 in enumerate(range(0, Lq, cq)):
-            q1 = min(q0 + cq, Lq)
-            qi = q[:, :, q0:q1] * (scale * LOG2E)  # (B, H, cq, D); cheaper than scaling the scores
-            m = torch.full((B, H, q1 - q0, 1), float("-inf"), dtype=acc_dtype, device=q.device)
-            l = torch.zeros_like(m)
-            acc = torch.zeros(B, H, q1 - q0, Dv, dtype=acc_dtype, device=q.device)
-            for k0, k1 in _key_blocks(q0, q1, Lk, ck, is_causal, window_size):
-                kb = k0 // ck
-                s = _block_scores(qi, k, attn_mask, is_causal, window_size, q0, q1, k0, k1, acc_dtype)
-                m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-                # a row masked so far has m_new = -inf, and exp(-inf - (-inf)) = NaN; clamping to
-                # the lowest finite value makes it exp(-inf) = 0 and leaves every other row alone
-                m_safe = m_new.clamp(min=torch.finfo(acc_dtype).min)
-                s.sub_(m_safe).exp2_()  # P_j, in place: no second block-sized buffer
-                alpha = torch.exp2(m - m_safe)
-                l.mul_(alpha).add_(s.sum(-1, keepdim=True))
-                if dropout_p > 0.0:
-                    keep = _dropout_keep(s.shape, dropout_p, seed, qb * n_kblocks + kb, q.device)
-                    s.mul_(keep).mul_(1.0 / (1.0 - dropout_p))  # normaliser l already taken: kept weights scaled up
-                acc.mul_(alpha).add_(s.to(v.dtype) @ v[:, :, k0:k1])
-                m = m_new
-            dead = l == 0  # every key masked: output 0, and lse = +inf so the backward sees P = 0
-            out[:, :, q0:q1] = (acc / l.masked_fill(dead, 1.0)).to(q.dtype)
-            lse[:, :, q0:q1] = torch.where(dead, float("inf"), m + torch.log2(l))  # base 2
-        ctx.save_for_backward(q, k, v, out, lse, attn_mask)
-        ctx.args = (dropout_p, is_causal, scale, window_size, (cq, ck), seed)
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, attn_mask = ctx.saved_tensors
-        dropout_p, is_causal, scale, window_size, (cq, ck), seed = ctx.args
-        Lq, Lk = q.size(-2), k.size(-2)
-        acc_dtype = lse.dtype
-        dq = torch.zeros_like(q, dtype=acc_dtype)
-        dk = torch.zeros_like(k, dtype=acc_dtype)
-        dv = torch.zeros_like(v, dtype=acc_dtype)
-        n_kblocks = -(-Lk // ck)
-        for qb, q0 in enumerate(range(0, Lq, cq)):
-            q1 = min(q0 + cq, Lq)
-            qi = q[:, :, q0:q1] * (scale * LOG2E)  # (B, H, cq, D)
-            doi = dout[:, :, q0:q1]  # (B, H, cq, Dv)
-            # delta = rowsum(dO * O) = rowsum(P * dP): per block, so no (B, H, Lq, Dv) temporary
-            delta = (doi.to(acc_dtype) * out[:, :, q0:q1].to(acc_dtype)).sum(-1, keepdim=True)  # (B, H, cq, 1)
-            for k0, k1 in _key_blocks(q0, q1, Lk, ck, is_causal, window_size):
-                kb = k0 // ck
-                kj, vj = k[:, :, k0:k1], v[:, :, k0:k1]
-                s = _block_scores(qi, k, attn_mask, is_causal, window_size, q0, q1, k0, k1, acc_dtype)
-                p = s.sub_(lse[:, :, q0:q1]).exp2_()  # P_j recomputed: the forward's probabilities
-                dp = (doi @ vj.transpose(-2, -1)).to(acc_dtype)  # (B, H, cq, ck)
-                if dropout_p > 0.0:
-                    zs = _dropout_keep(p.shape, dropout_p, seed, qb * n_kblocks + kb, q.device) / (1.0 - dropout_p)
-                    dv[:, :, k0:k1] += ((p * zs).to(v.dtype).transpose(-2, -1) @ doi).to(acc_dtype)
-                    dp.mul_(zs)
-                else:
-                    dv[:, :, k0:k1] += (p.to(v.dtype).transpose(-2, -1) @ doi).to(acc_dtype)
-                ds = p.mul_(dp.sub_(delta)).to(q.dtype)  # dS_j = P_j * (dP_j - delta)
-                dq[:, :, q0:q1] += (ds @ kj).to(acc_dtype)
-                dk[:, :, k0:k1] += (ds.transpose(-2, -1) @ qi).to(acc_dtype)
-        dq.mul_(scale)
-        dk.mul_(1.0 / LOG2E)  # qi carried scale * log2(e); dK needs scale alone
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+@torch.library.custom_op("minitransformer::chunked_attention_bwd", mutates_args=())
+def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, attn_mask: Optional[torch.Tensor], seed: Optional[torch.Tensor], dropout_p: float,
+                 is_causal: bool, scale: float, window_size: Optional[int], cq: int,
+                 ck: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of chunked attention: dq, dk, dv, recomputing each block's probabilities from lse."""
+    B, H, Lq, _ = q.shape
+    Lk = k.size(-2)
+    acc_dtype = lse.dtype
+    dq = torch.zeros_like(q, dtype=acc_dtype)
+    dk = torch.zeros_like(k, dtype=acc_dtype)
+    dv = torch.zeros_like(v, dtype=acc_dtype)
+    for q0 in range(0, Lq, cq):
+        q1 = min(q0 + cq, Lq)
+        qi = q[:, :, q0:q1] * (scale * LOG2E)  # (B, H, cq, D)
+        doi = dout[:, :, q0:q1]  # (B, H, cq, Dv)
+        # delta = rowsum(dO * O) = rowsum(P * dP): per block, so no (B, H, Lq, Dv) temporary
+        delta = (doi.to(acc_dtype) * out[:, :, q0:q1].to(acc_dtype)).sum(-1, keepdim=True)  # (B, H, cq, 1)
+        for k0, k1 in _key_blocks(q0, q1, Lk, ck, is_causal, window_size):
+            kj, vj = k[:, :, k0:k1], v[:, :, k0:k1]
+            s = _block_scores(qi, k, attn_mask, is_causal, window_size, q0, q1, k0, k1, acc_dtype)
+            p = s.sub_(lse[:, :, q0:q1]).exp2_()  # P_j recomputed: the forward's probabilities
+            dp = (doi @ vj.transpose(-2, -1)).to(acc_dtype)  # (B, H, cq, ck)
+            if dropout_p > 0.0:
+                zs = _dropout_keep(seed, dropout_p, B, H, Lq, q0, q1, k0, k1) / (1.0 - dropout_p)
+                dv[:, :, k0:k1] += ((p * zs).to(v.dtype).transpose(-2, -1) @ doi).to(acc_dtype)
+                dp.mul_(zs)
+            else:
+                dv[:, :, k0:k1] += (p.to(v.dtype).transpose(-2, -1) @ doi).to(acc_dtype)
+            ds = p.mul_(dp.sub_(delta)).to(q.dtype)  # dS_j = P_j * (dP_j - delta)
+            dq[:, :, q0:q1] += (ds @ kj).to(acc_dtype)
+            dk[:, :, k0:k1] += (ds.transpose(-2, -1) @ qi).to(acc_dtype)
+    dq.mul_(scale)
+    dk.mul_(1.0 / LOG2E)  # qi carried scale * log2(e); dK needs scale alone
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@_chunked_fwd.register_fake
+def _(q, k, v, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck):
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)
+    return q.new_empty(*q.shape[:-1], v.size(-1)), q.new_empty(*q.shape[:-1], 1, dtype=acc_dtype)
+
+
+@_chunked_bwd.register_fake
+def _(dout, q, k, v, out, lse, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _chunked_setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, seed, *args = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], attn_mask, seed)
+    ctx.args = args  # dropout_p, is_causal, scale, window_size, cq, ck
+
+
+def _chunked_backward(ctx, dout, dlse):
+    q, k, v, out, lse, attn_mask, seed = ctx.saved_tensors
+    dq, dk, dv = _chunked_bwd(dout, q, k, v, out, lse, attn_mask, seed, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+_chunked_fwd.register_autograd(_chunked_backward, setup_context=_chunked_setup_context)
 
 
 def default_chunk_size(device):
@@ -354,11 +418,13 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     q: (B, H, Lq, D), k: (B, H, Lk, D), v: (B, H, Lk, Dv) -> (B, H, Lq, Dv).
     chunk_size: int or (query block, key block); None picks default_chunk_size.
     Blocks masked by is_causal / window_size are skipped, not computed.
-    Gradients flow to q, k, v (not to a float attn_mask).
+    Gradients flow to q, k, v (not to a float attn_mask). Dropout's seed is drawn from
+    the device's generator (torch.manual_seed / torch.cuda.manual_seed control it).
     """
     attn_mask, scale = _check_args(q, k, v, attn_mask, dropout_p, scale, window_size)
-    chunk_size = _chunks(default_chunk_size(q.device) if chunk_size is None else chunk_size)
-    return _ChunkedAttention.apply(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, chunk_size)
+    cq, ck = _chunks(default_chunk_size(q.device) if chunk_size is None else chunk_size)
+    seed = torch.randint(0, 2**32, (), device=q.device) if dropout_p > 0.0 else None
+    return _chunked_fwd(q, k, v, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck)[0]
 
 
 # -----------------------------------------------------------------------------
@@ -383,8 +449,12 @@ def _sdpa_inputs(q, k, attn_mask, is_causal, window_size):
 
 
 def _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale):
+    """The SDPA kernel these inputs get: 'flash', 'efficient', 'cudnn', 'math', or 'unknown' where
+    torch cannot tell (no torch._fused_sdp_choice, or a device other than CPU and CUDA: MPS, XPU)."""
     # torch._fused_sdp_choice is the very function SDPA consults to pick its kernel,
-    # and it honours an enclosing sdpa_kernel(...) restriction.
+    # and it honours an enclosing sdpa_kernel(...) restriction; it is private, so ask for it
+    if q.device.type not in ("cpu", "cuda") or not hasattr(torch, "_fused_sdp_choice"):
+        return "unknown"
     try:
         choice = SDPBackend(torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale))
     except RuntimeError as e:  # every enabled kernel refuses these inputs
@@ -396,7 +466,8 @@ def _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale):
 
 
 def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, window_size=None):
-    """Which SDPA kernel flash_attention would run for these inputs: 'flash', 'efficient', 'cudnn' or 'math'."""
+    """Which SDPA kernel flash_attention would run for these inputs: 'flash', 'efficient', 'cudnn',
+    'math', or 'unknown' where torch cannot tell (MPS, XPU, a torch without the kernel query)."""
     attn_mask, scale = _check_args(q, k, v, attn_mask, dropout_p, scale, window_size)
     mask, causal, _ = _sdpa_inputs(q, k, attn_mask, is_causal, window_size)
     return _chosen_kernel(q, k, v, mask, dropout_p, causal, scale)
@@ -410,13 +481,15 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     When no fused kernel accepts the inputs (dropout on CPU, say), on_math decides:
     "warn" (once per reason) and run the math kernel, "raise" a RuntimeError, or
     "allow" silently. A mask (or window) is materialised as (.., Lq, Lk); pure
-    is_causal is passed to the kernel as is.
+    is_causal is passed to the kernel as is. Under torch.compile, and where torch
+    cannot report its kernel (MPS, XPU), SDPA is called directly, unchecked.
     """
     if on_math not in ("warn", "raise", "allow"):
         raise ValueError(f"on_math must be 'warn', 'raise' or 'allow', got {on_math!r}")
     attn_mask, scale = _check_args(q, k, v, attn_mask, dropout_p, scale, window_size)
     mask, causal, dead = _sdpa_inputs(q, k, attn_mask, is_causal, window_size)
-    kernel = _chosen_kernel(q, k, v, mask, dropout_p, causal, scale)
+    # the compiler picks the kernel itself, and a Python int from the kernel query would break its graph
+    kernel = "unknown" if torch.compiler.is_compiling() else _chosen_kernel(q, k, v, mask, dropout_p, causal, scale)
     if kernel == "math" and on_math != "allow":
         why = (f"no fused SDPA kernel accepts these inputs (device={q.device.type}, dtype={q.dtype}, "
                f"dropout_p={dropout_p}, mask={None if mask is None else mask.dtype}, head dim={q.size(-1)}); "
@@ -424,7 +497,7 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         if on_math == "raise":
             raise RuntimeError(why)
         warnings.warn(why, stacklevel=2)
-    with sdpa_kernel(_KERNELS[kernel]):  # run exactly the kernel we reported
+    with contextlib.nullcontext() if kernel == "unknown" else sdpa_kernel(_KERNELS[kernel]):  # exactly the one reported
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                              is_causal=causal, scale=scale)
     return out if dead is None else out.masked_fill(dead, 0.0)
@@ -732,9 +805,7 @@ class Encoder(nn.Module):
         if idx.dim() != 2 or idx.dtype.is_floating_point or idx.dtype == torch.bool:
             raise ValueError(f"idx must be integer token ids of shape (B, T), got {tuple(idx.shape)} {idx.dtype}")
         _check_length(idx.size(1), c.max_len)
-        if idx.numel() and (idx.min() < 0 or idx.max() >= c.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {c.vocab_size}), got min {int(idx.min())} "
-                             f"max {int(idx.max())}")
+        _check_range(idx, 0, c.vocab_size, "token ids")
         return self.pos(self.embed(idx) * math.sqrt(c.d_model))
 
     def forward(self, idx, attn_mask=None, is_causal=False):
@@ -813,6 +884,8 @@ class TrainConfig:
     amp: str = _arg("off", "mixed precision: bf16 autocast (CPU or GPU), or fp16 autocast with a gradient scaler",
                     **_choices("off", "bf16", "fp16"))
     impl: str = _arg("flash", "attention path", **_choices(*IMPLS))
+    compile_model: bool = _arg(False, "torch.compile the model (off by default: on a 2-core CPU it did not pay "
+                                      "for its compile time; README, Training)", flag="compile")
     pos_encoding: str = _arg("sinusoidal", "positional encoding", **_choices("sinusoidal", "learned", "rope"))
     d_model: int = _arg(64, "model width")
     n_heads: int = _arg(2, "attention heads")
@@ -868,15 +941,22 @@ def lr_factor(step, warmup, steps, min_ratio):
 
 
 def make_optimizer(model, lr, weight_decay):
-    """AdamW; weight decay on matrices only: decaying biases and LayerNorm gains only hurts."""
+    """AdamW; weight decay on matrices only: decaying biases and LayerNorm gains only hurts.
+
+    The fused implementation (CPU and CUDA) keeps its step counts on the device and lets
+    GradScaler skip an inf/NaN step inside the kernel; the others read a value on the host
+    every step (the step count, or the scaler's found-inf flag): a GPU sync per step.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-9)  # betas, eps of the paper
+    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-9, fused=fused)  # betas, eps of the paper
 
 
 def optimizer_step(loss, model, optimizer, scaler, clip):
-    """backward, unscale, clip, step; returns the gradient norm before clipping and whether the step ran.
+    """backward, unscale, clip, step; returns the gradient norm before clipping and whether the step ran,
+    both as tensors on the device: reading them on the host every step would stall a GPU.
 
     The order matters: with fp16 the gradients are multiplied by the loss scale, so
     they must be unscaled before their norm is clipped; clipping scaled gradients
@@ -889,12 +969,12 @@ def optimizer_step(loss, model, optimizer, scaler, clip):
         norm = torch.nn.utils.clip_grad_norm_(params, clip)
     else:
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-    scale = scaler.get_scale() if scaler.is_enabled() else None
     scaler.step(optimizer)  # skipped by the scaler when the gradients hold inf or NaN
     scaler.update()
-    stepped = scale is None or scaler.get_scale() >= scale  # the scale shrinks exactly when a step is skipped
+    # the scaler skips exactly when an unscaled gradient is inf or NaN, which makes their norm non-finite
+    stepped = torch.isfinite(norm) if scaler.is_enabled() else torch.ones((), dtype=torch.bool, device=norm.device)
     optimizer.zero_grad(set_to_none=True)
-    return float(norm), stepped
+    return norm, stepped
 
 
 _CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "scheduler", "step", "rng", "model_config"}
@@ -1038,12 +1118,15 @@ def _train(cfg, device, rank, world, say):
     ddp = model
     if world > 1:
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.compile_model:  # the training forward and backward; evaluation and checkpoints use `model` itself
+        ddp = torch.compile(ddp)
 
     held_out = reverse_batch(cfg.eval_size, cfg.min_len, cfg.max_len, mcfg.vocab_size,
                              torch.Generator().manual_seed(2**40 + cfg.seed))  # a stream training never draws from
     held_out = tuple(t.to(device) for t in held_out)
     say(f"model: {model.encoder.num_params():,} parameters in the encoder; {mcfg}")
-    say(f"training on {device} x {world} process(es), amp={cfg.amp}, impl={mcfg.impl}, steps {start}..{cfg.steps}")
+    say(f"training on {device} x {world} process(es), amp={cfg.amp}, impl={mcfg.impl}, compile={cfg.compile_model}, "
+        f"steps {start}..{cfg.steps}")
 
     def checkpoint(step):
         cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -1058,10 +1141,15 @@ def _train(cfg, device, rank, world, say):
                                       "step": step, "rng": rngs, "model_config": asdict(mcfg)})
 
     t_start = time.time()
-    t_log, tokens, skipped, reached = time.time(), 0, 0, None
+    t_log, reached = time.time(), None
     metrics = {}
     loss_value = float("nan")
     last = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
+    # running counts stay on the device and are read only on the steps that log, evaluate or save:
+    # reading one every step (loss.item(), float(norm)) would make a GPU wait for the host each step
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    tokens, skipped, bad_step = zero.clone(), zero.clone(), zero.clone()  # bad_step: first non-finite loss
+    bad_loss = torch.zeros((), device=device)
     for step in range(start, last):
         # the batch is a function of (seed, rank, step) alone: resuming needs no data-loader state
         gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 1009 + rank)
@@ -1072,31 +1160,39 @@ def _train(cfg, device, rank, world, say):
             # (B*T, vocab) against (B*T,); the loss in float32 even under autocast
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1), ignore_index=PAD,
                                    label_smoothing=cfg.label_smoothing)
-        loss_value = loss.item()
-        if not math.isfinite(loss_value) and cfg.amp != "fp16":  # fp16: the scaler skips such steps itself
-            raise FloatingPointError(f"loss is {loss_value} at step {step + 1}: stopping; no checkpoint is written "
-                                     "from this state (lower --lr, or use --amp bf16/off)")
+        if cfg.amp != "fp16":  # fp16: the scaler skips non-finite steps itself
+            new_bad = (bad_step == 0) & ~torch.isfinite(loss.detach())
+            bad_step = torch.where(new_bad, step + 1, bad_step)
+            bad_loss = torch.where(new_bad, loss.detach(), bad_loss)
         norm, stepped = optimizer_step(loss, ddp, optimizer, scaler, cfg.clip)
-        skipped += not stepped
+        skipped += ~stepped
         scheduler.step()
-        tokens += int(lengths.sum()) * world
+        tokens += lengths.sum() * world
         done = step + 1
+        saving = cfg.out and (done % cfg.save_every == 0 or done == last)
+        if not (saving or done % cfg.log_every == 0 or done % cfg.eval_every == 0 or done == last):
+            continue  # no host read on this step
+        if bad_step.item():  # before any checkpoint: never save weights that a non-finite loss updated
+            raise FloatingPointError(f"loss is {bad_loss.item()} at step {bad_step.item()}: stopping; no checkpoint "
+                                     "is written from this state (lower --lr, or use --amp bf16/off)")
+        loss_value = loss.item()
         if done % cfg.log_every == 0 or done == last:
             acc = ((logits.argmax(-1) == y) & (y != PAD)).sum().item() / (y != PAD).sum().item()
             now = time.time()
             say(f"step {done:5d} | loss {loss_value:.4f} | acc {acc:.3f} | lr {scheduler.get_last_lr()[0]:.2e} | "
-                f"grad norm {norm:.3f} | {tokens / (now - t_log):,.0f} tok/s"
-                + (f" | skipped {skipped}" if skipped else ""))
-            t_log, tokens = now, 0
+                f"grad norm {norm.item():.3f} | {tokens.item() / (now - t_log):,.0f} tok/s"
+                + (f" | skipped {skipped.item()}" if skipped.item() else ""))
+            t_log = now
+            tokens.zero_()
         if rank == 0 and (done % cfg.eval_every == 0 or done == last):
             metrics = evaluate(model, held_out, amp_ctx)
             if reached is None and metrics["accuracy"] >= 0.99:
                 reached = (done, time.time() - t_start)
                 say(f"held-out accuracy {metrics['accuracy']:.4f} >= 0.99 at step {done}, {reached[1]:.1f} s")
-        if cfg.out and (done % cfg.save_every == 0 or done == last):
+        if saving:
             checkpoint(done)
     seconds = time.time() - t_start
-    result = {"step": last, "loss": loss_value, "skipped_steps": skipped, "seconds": seconds,
+    result = {"step": last, "loss": loss_value, "skipped_steps": skipped.item(), "seconds": seconds,
               "steps_to_99": reached[0] if reached else None, "seconds_to_99": reached[1] if reached else None}
     if rank == 0:
         metrics = metrics or evaluate(model, held_out, amp_ctx)
@@ -1112,7 +1208,7 @@ def _train(cfg, device, rank, world, say):
         say(f"max parameter difference across {world} ranks: {result['max_param_diff_across_ranks']:.3g}")
     if rank == 0:
         say(f"accuracy={result['accuracy']:.4f} (held-out tokens; {result['seq_accuracy']:.3f} of sequences exact; "
-            f"loss {loss_value:.4f}; {last} steps in {seconds:.1f} s; skipped steps {skipped}; impl={mcfg.impl}, "
+            f"loss {loss_value:.4f}; {last} steps in {seconds:.1f} s; skipped steps {skipped.item()}; impl={mcfg.impl}, "
             f"amp={cfg.amp})")
     return result
 
@@ -1125,12 +1221,13 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a small Transformer encoder to reverse variable-length "
                                             "sequences; prints held-out accuracy. Runs under torchrun too.")
     for name, f in TrainConfig.__dataclass_fields__.items():
-        flag = "--" + name.replace("_", "-")
+        flag = "--" + f.metadata.get("flag", name).replace("_", "-")
         if f.type is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=f.default,
+                           help=f.metadata["help"])
             continue
         kind = {int: int, float: float, str: str, int | None: int, str | None: str}[f.type]
-        p.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
+        p.add_argument(flag, dest=name, type=kind, default=f.default, choices=f.metadata.get("choices"),
                        help=f.metadata["help"] + " (default: %(default)s)")
     args = p.parse_args(argv)
     try:

@@ -427,6 +427,207 @@ def test_bad_inputs_raise_clear_errors():
         mt.MultiHeadAttention(64, 4)
 
 
+# ----------------------------------------------------------------------------- torch.compile and host syncs
+# Most cases compile with the aot_eager backend: Dynamo's capture (fullgraph: a graph break is an
+# error), AOTAutograd's tracing of forward and backward with fake tensors, then eager kernels; it is
+# cheap enough for CI. One case per path also goes through Inductor, the default backend.
+
+TINY = dict(vocab_size=16, max_len=64, d_model=32, n_heads=2, n_layers=2, d_ff=64)
+COMPILE_MASKS = {"pad": {}, "causal": {"is_causal": True}, "causal+pad": {"is_causal": True}, "window": {}}
+
+
+def local_scalar_reads(fn, ignore_under=()):
+    """Events of aten::_local_scalar_dense in fn(): every .item(), bool(t), int(t) of a tensor dispatches
+    to it, and on a GPU each one makes the host wait for the device. `ignore_under`: parent ops to skip."""
+    with torch.profiler.profile() as prof:
+        fn()
+    reads = []
+    for e in prof.events():
+        if e.name == "aten::_local_scalar_dense":
+            parents, p = [], e.cpu_parent
+            while p is not None:
+                parents.append(p.name)
+                p = p.cpu_parent
+            if not set(parents) & set(ignore_under):
+                reads.append(e)
+    return reads
+
+
+def compile_case(kind, impl, mask_kind, dropout=0.0, seed=0):
+    """(callable, inputs, parameters) of one module or function with one mask setting; float32, B=3, L=21."""
+    torch.manual_seed(seed)
+    B, L = 3, 21
+    pad = mt.padding_mask(torch.tensor([21, 13, 4]), L) if "pad" in mask_kind else None
+    causal = COMPILE_MASKS[mask_kind].get("is_causal", False)
+    window = 5 if mask_kind == "window" else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # small heads
+        if kind == "attention":
+            q, k, v = (torch.randn(B, 2, L, 16, requires_grad=True) for _ in range(3))
+            kw = dict(attn_mask=pad, is_causal=causal, dropout_p=dropout, impl=impl, window_size=window,
+                      chunk_size=(8, 8))
+            return (lambda q, k, v: mt.attention(q, k, v, **kw)), (q, k, v), []
+        if kind == "encoder":
+            model = mt.Encoder(mt.EncoderConfig(impl=impl, window_size=window, dropout=dropout, chunk_size=8, **TINY))
+            return (lambda idx: model(idx, pad, causal)), (torch.randint(0, 16, (B, L)),), list(model.parameters())
+        if kind == "mha":
+            model = mt.MultiHeadAttention(32, 2, dropout, impl=impl, window_size=window, chunk_size=8)
+        else:
+            model = mt.EncoderLayer(32, 2, 64, dropout, impl=impl, window_size=window, chunk_size=8)
+    x = torch.randn(B, L, 32, requires_grad=True)
+    return (lambda x: model(x, pad, causal)), (x,), list(model.parameters())
+
+
+def forward_backward(fn, inputs, params, seed=None):
+    """Output, and the gradients of every float input and parameter under a random projection of it."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    out = fn(*inputs)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    leaves = [t for t in inputs if t.is_floating_point()] + params
+    return [out.detach()] + list(torch.autograd.grad((out * w).sum(), leaves))
+
+
+def assert_same(got, want, tol=1e-5):
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol * max(w.abs().max().item(), 1.0))
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("kind,mask_kind", [("attention", m) for m in COMPILE_MASKS] +
+                         [(kind, "causal+pad") for kind in ("mha", "layer", "encoder")] + [("encoder", "window")])
+def test_fullgraph_compile_matches_eager(impl, kind, mask_kind):
+    fn, inputs, params = compile_case(kind, impl, mask_kind)
+    want = forward_backward(fn, inputs, params)
+    torch._dynamo.reset()
+    got = forward_backward(torch.compile(fn, fullgraph=True, backend="aot_eager"), inputs, params)
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("kind", ["attention", "encoder"])
+def test_fullgraph_compile_with_dropout_matches_seeded_eager(impl, kind):
+    # aot_eager draws random numbers from the same generator as eager: one seed, the same masks
+    fn, inputs, params = compile_case(kind, impl, "causal+pad", dropout=0.2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flash: no fused CPU kernel has dropout
+        want = forward_backward(fn, inputs, params, seed=7)
+        other = forward_backward(fn, inputs, params, seed=8)
+    torch._dynamo.reset()
+    got = forward_backward(torch.compile(fn, fullgraph=True, backend="aot_eager"), inputs, params, seed=7)
+    assert_same(got, want)
+    assert not torch.equal(got[0], other[0])  # dropout did act
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+def test_inductor_compiles_the_encoder(impl):
+    fn, inputs, params = compile_case("encoder", impl, "causal+pad")
+    want = forward_backward(fn, inputs, params)
+    torch._dynamo.reset()
+    assert_same(forward_backward(torch.compile(fn, fullgraph=True), inputs, params), want)
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+def test_encoder_is_one_graph_and_new_lengths_recompile_once(impl):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = mt.Encoder(mt.EncoderConfig(impl=impl, **TINY))
+    idx = torch.randint(0, 16, (2, 20))
+    pad = mt.padding_mask(torch.tensor([20, 7]), 20)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(idx, pad)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    for L in (20, 27, 36, 50, 64):  # the second length makes L dynamic; later ones reuse that graph
+        compiled(torch.randint(0, 16, (2, L)), mt.padding_mask(torch.tensor([L, 3]), L))
+    assert len(graphs) == 2
+
+
+def test_chunked_path_is_one_opaque_operator_for_the_compiler():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    for n in (32, 512):  # 4 and 64 query blocks: the traced graph must not grow with them
+        q, k, v = (torch.randn(1, 2, n, 16) for _ in range(3))
+        torch._dynamo.reset()
+        torch.compile(lambda q, k, v: mt.chunked_attention(q, k, v, is_causal=True, chunk_size=8),
+                      fullgraph=True, backend=backend)(q, k, v)
+    ops = [[str(node.target) for node in gm.graph.nodes if node.op == "call_function"] for gm in graphs]
+    assert ops[0] == ops[1]
+    assert sum("chunked_attention_fwd" in op for op in ops[1]) == 1
+    assert not any("matmul" in op or "bmm" in op for op in ops[1])
+
+
+@pytest.mark.parametrize("kw", [{}, {"is_causal": True, "window_size": 3}, {"attn_mask": "bool"}, {"attn_mask": "float"},
+                                {"dropout_p": 0.3}])
+def test_chunked_operator_registration(kw):
+    # torch.library.opcheck: schema, fake (meta) implementation against the real one, autograd registration
+    q, k, v = (t.float().requires_grad_() for t in make_qkv(2, 2, 11, 9, 8, Dv=4))
+    mask = {"bool": torch.rand(2, 1, 11, 9, generator=torch.Generator().manual_seed(0)) > 0.3,
+            "float": torch.randn(11, 9)}.get(kw.get("attn_mask"))
+    seed = torch.tensor(12345) if kw.get("dropout_p") else None
+    args = (q, k, v, mask, seed, kw.get("dropout_p", 0.0), kw.get("is_causal", False), 0.35,
+            kw.get("window_size"), 4, 3)
+    torch.library.opcheck(torch.ops.minitransformer.chunked_attention_fwd.default, args)
+
+
+def test_flash_runs_sdpa_where_torch_cannot_report_its_kernel(monkeypatch):
+    # MPS, XPU or a torch without the private kernel query: run SDPA anyway, report "unknown"
+    q, k, v = make_qkv(2, 2, 33, 33, 16, dtype=torch.float32)
+    keep, _, kw = make_mask("causal+pad", 2, 2, 33, 33)
+    monkeypatch.delattr(torch, "_fused_sdp_choice")
+    assert mt.sdpa_kernel_name(q, k, v, **kw) == "unknown"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about: the kernel is unknown, not math
+        out = mt.flash_attention(q, k, v, on_math="raise", **kw)
+    assert (out.double() - reference(q, k, v, keep)).abs().max().item() < 1e-5
+
+
+def test_bad_token_ids_under_compile_are_a_device_side_assert():
+    model = mt.Encoder(mt.EncoderConfig(vocab_size=10, max_len=8, d_model=64, n_heads=2))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled(torch.tensor([[0, 9]]))
+    with pytest.raises(RuntimeError, match=r"token ids must lie in \[0, 10\)"):
+        compiled(torch.tensor([[0, 10]]))
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("mask_kind", ["pad", "causal+pad", "window"])
+def test_model_forward_backward_reads_nothing_on_the_host(impl, mask_kind):
+    _, inputs, _ = compile_case("encoder", impl, mask_kind)
+    causal = mask_kind != "pad"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = mt.Encoder(mt.EncoderConfig(impl=impl, window_size=5 if mask_kind == "window" else None,
+                                            dropout=0.1, chunk_size=8, **TINY))
+
+    def step():  # the mask is built from device lengths inside the step, as a training loop does
+        lengths = torch.tensor([21, 13, 4])
+        model(inputs[0], mt.padding_mask(lengths, 21) if "pad" in mask_kind else None, causal).sum().backward()
+    step()
+    assert local_scalar_reads(step) == []
+
+
+@pytest.mark.parametrize("amp", ["off", "bf16", "fp16"])
+def test_training_steps_read_nothing_on_the_host_between_logs(amp):
+    # the fused AdamW's CPU kernel reads its host-side step counts (aten::item inside _fused_adamw_);
+    # on a GPU those counts are device tensors read by the kernel itself, so they are not counted
+    cfg = {**SMALL, "amp": amp, "log_every": 1000, "eval_every": 1000, "eval_size": 8}
+    count = lambda steps: len(local_scalar_reads(lambda: mt.train(mt.TrainConfig(**{**cfg, "steps": steps}), log=quiet),
+                                                 ignore_under={"aten::_fused_adamw_"}))
+    assert count(4) == count(1)  # three more steps that neither log nor evaluate: no host read at all
+
+
+
 # ----------------------------------------------------------------------------- CUDA
 
 
