@@ -158,8 +158,8 @@ def _mask_block(attn_mask, is_causal, window_size, q0, q1, k0, k1, device):
         i = torch.arange(q0, q1, device=device)[:, None]
         j = torch.arange(k0, k1, device=device)[None, :]
         keep = j <= i if causal else None
-        if local:
-            near = (i - j).abs() <= window_size
+        if local:  # compared, never subtracted: i - j would be an int64 (Lq, Lk) temporary
+            near = (j >= i - window_size) & (j <= i + window_size)
             keep = near if keep is None else keep & near
     if attn_mask is None:
         return keep
@@ -175,14 +175,14 @@ def _mask_block(attn_mask, is_causal, window_size, q0, q1, k0, k1, device):
     return m.masked_fill(~keep, float("-inf"))
 
 
-def _apply_mask(scores, mask, bias_scale=1.0):
-    """Scores with a mask from _mask_block applied: -inf where a bool mask is False, + bias * bias_scale for a
-    float mask. -inf, never -1e9: -1e9 overflows float16 and is not "masked" for large scores."""
+def _apply_mask(scores, mask):
+    """Scores with a mask from _mask_block applied, in place: -inf where a bool mask is False, + the bias
+    of a float mask. -inf, never -1e9: -1e9 overflows float16 and is not "masked" for large scores."""
     if mask is None:
         return scores
     if mask.dtype == torch.bool:
         return scores.masked_fill_(~mask, float("-inf"))
-    return scores + mask * bias_scale if bias_scale != 1.0 else scores + mask
+    return scores.add_(mask)
 
 
 def _full_mask(attn_mask, is_causal, window_size, Lq, Lk, device):
@@ -227,17 +227,21 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 
     q: (B, H, Lq, D), k: (B, H, Lk, D), v: (B, H, Lk, Dv) -> out (B, H, Lq, Dv) and
     weights (B, H, Lq, Lk), the probabilities actually used (after dropout), so
-    that out == weights @ v. Mask convention: see the module docstring.
+    that out == weights @ v. Mask convention: see the module docstring. float16 and
+    bfloat16 inputs are computed in float32 (scores rounded to 8 bits of mantissa
+    would be off by 1% of their size), and returned in their own dtype.
     """
     attn_mask, scale = _check_args(q, k, v, attn_mask, dropout_p, scale, window_size)
     mask, dead = _full_mask(attn_mask, is_causal, window_size, q.size(-2), k.size(-2), q.device)
-    scores = _apply_mask((q @ k.transpose(-2, -1)) * scale, mask)  # (B, H, Lq, Lk)
-    weights = torch.softmax(scores, dim=-1)
-    if dead is not None:
-        weights = weights.masked_fill(dead, 0.0)
-    if dropout_p > 0.0:
-        weights = F.dropout(weights, dropout_p)  # kept weights scaled by 1/(1-p): same expectation
-    return weights @ v, weights
+    acc = torch.promote_types(q.dtype, torch.float32)
+    with torch.autocast(q.device.type, enabled=False):  # autocast would cast the products back down
+        scores = _apply_mask((q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale, mask)  # (B, H, Lq, Lk)
+        weights = torch.softmax(scores, dim=-1)
+        if dead is not None:
+            weights = weights.masked_fill(dead, 0.0)
+        if dropout_p > 0.0:
+            weights = F.dropout(weights, dropout_p)  # kept weights scaled by 1/(1-p): same expectation
+        return (weights @ v.to(acc)).to(v.dtype), weights.to(q.dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -298,13 +302,30 @@ def _chunks(chunk_size):
     return cq, ck
 
 
-def _block_scores(qi, k, attn_mask, is_causal, window_size, q0, q1, k0, k1, acc_dtype):
-    """Masked base-2 scores of one block, (B, H, q1-q0, k1-k0); qi already carries scale * log2(e).
-    The forward computes them once; the backward recomputes them instead of storing them."""
-    s = (qi @ k[:, :, k0:k1].transpose(-2, -1)).to(acc_dtype)  # (B, H, cq, ck)
-    mask = _mask_block(attn_mask, is_causal, window_size, q0, q1, k0, k1, qi.device)
-    return _apply_mask(s, mask, bias_scale=LOG2E)
+def _base2_bias(attn_mask, acc_dtype):
+    """A float mask in base-2 units (times log2(e)), in acc_dtype; bool masks and None pass through.
 
+    A finite bias stays finite: finfo.min (the Hugging Face convention for "masked") times
+    log2(e) would overflow to -inf, and a row of such keys would then be dead instead of the
+    average that SDPA gives. Only -inf masks.
+    """
+    if attn_mask is None or attn_mask.dtype == torch.bool:
+        return attn_mask
+    bias = (attn_mask.to(acc_dtype) * LOG2E).clamp(min=torch.finfo(acc_dtype).min)
+    return bias.masked_fill(torch.isneginf(attn_mask), float("-inf"))
+
+
+def _block_scores(qi, k, bias, is_causal, window_size, q0, q1, k0, k1):
+    """Masked base-2 scores of one block, (B, H, q1-q0, k1-k0), in qi's dtype; qi already carries
+    scale * log2(e) and bias is base 2 (_base2_bias). The forward computes them once; the
+    backward recomputes them instead of storing them."""
+    s = qi @ k[:, :, k0:k1].to(qi.dtype).transpose(-2, -1)  # (B, H, cq, ck)
+    return _apply_mask(s, _mask_block(bias, is_causal, window_size, q0, q1, k0, k1, qi.device))
+
+
+# float16 and bfloat16 inputs are computed in float32 (FlashAttention keeps S, P, dP and dS in
+# float32 too): every block is upcast, so memory stays linear, and no product is rounded to 8 or
+# 11 bits of mantissa. float32 and float64 inputs run as they are.
 
 @torch.library.custom_op("minitransformer::chunked_attention_fwd", mutates_args=())
 def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
@@ -313,31 +334,32 @@ def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
     """Forward of chunked attention: out (B, H, Lq, Dv) and lse (B, H, Lq, 1), base 2, float32 or wider."""
     B, H, Lq, D = q.shape
     Lk, Dv = k.size(-2), v.size(-1)
-    acc_dtype = torch.promote_types(q.dtype, torch.float32)  # accumulate low precision in float32
+    acc = torch.promote_types(q.dtype, torch.float32)
+    bias = _base2_bias(attn_mask, acc)
     out = torch.empty(B, H, Lq, Dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, H, Lq, 1, dtype=acc_dtype, device=q.device)
+    lse = torch.empty(B, H, Lq, 1, dtype=acc, device=q.device)
     for q0 in range(0, Lq, cq):
         q1 = min(q0 + cq, Lq)
-        qi = q[:, :, q0:q1] * (scale * LOG2E)  # (B, H, cq, D); cheaper than scaling the scores
-        m = torch.full((B, H, q1 - q0, 1), float("-inf"), dtype=acc_dtype, device=q.device)
+        qi = q[:, :, q0:q1].to(acc) * (scale * LOG2E)  # (B, H, cq, D); cheaper than scaling the scores
+        m = torch.full((B, H, q1 - q0, 1), float("-inf"), dtype=acc, device=q.device)
         l = torch.zeros_like(m)
-        acc = torch.zeros(B, H, q1 - q0, Dv, dtype=acc_dtype, device=q.device)
+        o = torch.zeros(B, H, q1 - q0, Dv, dtype=acc, device=q.device)
         for k0, k1 in _key_blocks(q0, q1, Lk, ck, is_causal, window_size):
-            s = _block_scores(qi, k, attn_mask, is_causal, window_size, q0, q1, k0, k1, acc_dtype)
+            s = _block_scores(qi, k, bias, is_causal, window_size, q0, q1, k0, k1)
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
             # a row masked so far has m_new = -inf, and exp(-inf - (-inf)) = NaN; clamping to
             # the lowest finite value makes it exp(-inf) = 0 and leaves every other row alone
-            m_safe = m_new.clamp(min=torch.finfo(acc_dtype).min)
+            m_safe = m_new.clamp(min=torch.finfo(acc).min)
             s.sub_(m_safe).exp2_()  # P_j, in place: no second block-sized buffer
             alpha = torch.exp2(m - m_safe)
             l.mul_(alpha).add_(s.sum(-1, keepdim=True))
             if dropout_p > 0.0:
                 keep = _dropout_keep(seed, dropout_p, B, H, Lq, q0, q1, k0, k1)
                 s.mul_(keep).mul_(1.0 / (1.0 - dropout_p))  # normaliser l already taken: kept weights scaled up
-            acc.mul_(alpha).add_(s.to(v.dtype) @ v[:, :, k0:k1])
+            o.mul_(alpha).add_(s @ v[:, :, k0:k1].to(acc))
             m = m_new
         dead = l == 0  # every key masked: output 0, and lse = +inf so the backward sees P = 0
-        out[:, :, q0:q1] = (acc / l.masked_fill(dead, 1.0)).to(q.dtype)
+        out[:, :, q0:q1] = (o / l.masked_fill(dead, 1.0)).to(q.dtype)
         lse[:, :, q0:q1] = torch.where(dead, float("inf"), m + torch.log2(l))  # base 2
     return out, lse
 
@@ -345,49 +367,59 @@ def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
 @torch.library.custom_op("minitransformer::chunked_attention_bwd", mutates_args=())
 def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, attn_mask: Optional[torch.Tensor], seed: Optional[torch.Tensor], dropout_p: float,
-                 is_causal: bool, scale: float, window_size: Optional[int], cq: int,
-                 ck: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of chunked attention: dq, dk, dv, recomputing each block's probabilities from lse."""
+                 is_causal: bool, scale: float, window_size: Optional[int], cq: int, ck: int,
+                 mask_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of chunked attention: dq, dk, dv, and d(attn_mask) for a float mask when mask_grad
+    (else an empty tensor), recomputing each block's probabilities from lse."""
     B, H, Lq, _ = q.shape
     Lk = k.size(-2)
-    acc_dtype = lse.dtype
-    dq = torch.zeros_like(q, dtype=acc_dtype)
-    dk = torch.zeros_like(k, dtype=acc_dtype)
-    dv = torch.zeros_like(v, dtype=acc_dtype)
+    acc = lse.dtype
+    bias = _base2_bias(attn_mask, acc)
+    dq = torch.zeros_like(q, dtype=acc)
+    dk = torch.zeros_like(k, dtype=acc)
+    dv = torch.zeros_like(v, dtype=acc)
+    dbias = torch.zeros_like(attn_mask, dtype=acc) if mask_grad else q.new_empty(0)
     for q0 in range(0, Lq, cq):
         q1 = min(q0 + cq, Lq)
-        qi = q[:, :, q0:q1] * (scale * LOG2E)  # (B, H, cq, D)
-        doi = dout[:, :, q0:q1]  # (B, H, cq, Dv)
+        qj = q[:, :, q0:q1].to(acc)  # (B, H, cq, D)
+        qi = qj * (scale * LOG2E)
+        doi = dout[:, :, q0:q1].to(acc)  # (B, H, cq, Dv)
         # delta = rowsum(dO * O) = rowsum(P * dP): per block, so no (B, H, Lq, Dv) temporary
-        delta = (doi.to(acc_dtype) * out[:, :, q0:q1].to(acc_dtype)).sum(-1, keepdim=True)  # (B, H, cq, 1)
+        delta = (doi * out[:, :, q0:q1].to(acc)).sum(-1, keepdim=True)  # (B, H, cq, 1)
         for k0, k1 in _key_blocks(q0, q1, Lk, ck, is_causal, window_size):
-            kj, vj = k[:, :, k0:k1], v[:, :, k0:k1]
-            s = _block_scores(qi, k, attn_mask, is_causal, window_size, q0, q1, k0, k1, acc_dtype)
+            kj, vj = k[:, :, k0:k1].to(acc), v[:, :, k0:k1].to(acc)
+            s = _block_scores(qi, k, bias, is_causal, window_size, q0, q1, k0, k1)
             p = s.sub_(lse[:, :, q0:q1]).exp2_()  # P_j recomputed: the forward's probabilities
-            dp = (doi @ vj.transpose(-2, -1)).to(acc_dtype)  # (B, H, cq, ck)
+            dp = doi @ vj.transpose(-2, -1)  # (B, H, cq, ck)
             if dropout_p > 0.0:
                 zs = _dropout_keep(seed, dropout_p, B, H, Lq, q0, q1, k0, k1) / (1.0 - dropout_p)
-                dv[:, :, k0:k1] += ((p * zs).to(v.dtype).transpose(-2, -1) @ doi).to(acc_dtype)
+                dv[:, :, k0:k1] += (p * zs).transpose(-2, -1) @ doi
                 dp.mul_(zs)
             else:
-                dv[:, :, k0:k1] += (p.to(v.dtype).transpose(-2, -1) @ doi).to(acc_dtype)
-            ds = p.mul_(dp.sub_(delta)).to(q.dtype)  # dS_j = P_j * (dP_j - delta)
-            dq[:, :, q0:q1] += (ds @ kj).to(acc_dtype)
-            dk[:, :, k0:k1] += (ds.transpose(-2, -1) @ qi).to(acc_dtype)
+                dv[:, :, k0:k1] += p.transpose(-2, -1) @ doi
+            ds = p.mul_(dp.sub_(delta))  # dS_j = P_j * (dP_j - delta), the gradient of the scores
+            dq[:, :, q0:q1] += ds @ kj
+            dk[:, :, k0:k1] += ds.transpose(-2, -1) @ qj
+            if mask_grad:  # the bias is added to the scores: its gradient is dS, summed where it broadcasts
+                rows = slice(q0, q1) if attn_mask.size(-2) != 1 else slice(None)
+                cols = slice(k0, k1) if attn_mask.size(-1) != 1 else slice(None)
+                db = dbias[..., rows, cols]
+                db += ds.sum_to_size(db.shape)
     dq.mul_(scale)
-    dk.mul_(1.0 / LOG2E)  # qi carried scale * log2(e); dK needs scale alone
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dk.mul_(scale)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias.to(attn_mask.dtype) if mask_grad else dbias
 
 
 @_chunked_fwd.register_fake
 def _(q, k, v, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck):
-    acc_dtype = torch.promote_types(q.dtype, torch.float32)
-    return q.new_empty(*q.shape[:-1], v.size(-1)), q.new_empty(*q.shape[:-1], 1, dtype=acc_dtype)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    return q.new_empty(*q.shape[:-1], v.size(-1)), q.new_empty(*q.shape[:-1], 1, dtype=acc)
 
 
 @_chunked_bwd.register_fake
-def _(dout, q, k, v, out, lse, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(dout, q, k, v, out, lse, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck, mask_grad):
+    dbias = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
 
 def _chunked_setup_context(ctx, inputs, output):
@@ -398,8 +430,9 @@ def _chunked_setup_context(ctx, inputs, output):
 
 def _chunked_backward(ctx, dout, dlse):
     q, k, v, out, lse, attn_mask, seed = ctx.saved_tensors
-    dq, dk, dv = _chunked_bwd(dout, q, k, v, out, lse, attn_mask, seed, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    mask_grad = ctx.needs_input_grad[3]  # a float mask that requires grad: a learned bias (T5, ALiBi)
+    dq, dk, dv, dbias = _chunked_bwd(dout, q, k, v, out, lse, attn_mask, seed, *ctx.args, mask_grad)
+    return dq, dk, dv, dbias if mask_grad else None, None, None, None, None, None, None, None
 
 
 _chunked_fwd.register_autograd(_chunked_backward, setup_context=_chunked_setup_context)
@@ -418,7 +451,7 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     q: (B, H, Lq, D), k: (B, H, Lk, D), v: (B, H, Lk, Dv) -> (B, H, Lq, Dv).
     chunk_size: int or (query block, key block); None picks default_chunk_size.
     Blocks masked by is_causal / window_size are skipped, not computed.
-    Gradients flow to q, k, v (not to a float attn_mask). Dropout's seed is drawn from
+    Gradients flow to q, k, v and to a float attn_mask that requires grad. Dropout's seed is drawn from
     the device's generator (torch.manual_seed / torch.cuda.manual_seed control it).
     """
     attn_mask, scale = _check_args(q, k, v, attn_mask, dropout_p, scale, window_size)
@@ -520,6 +553,15 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
 # Multi-head attention
 
 
+def _check_batch_first(attn, torch_name, our_name):
+    """from_torch converts weights, not layouts: a (T, B, C) module would silently disagree with ours."""
+    if not attn.batch_first:
+        raise ValueError(f"from_torch needs batch_first=True: this {torch_name} has batch_first=False and takes "
+                         f"(T, B, C), while {our_name} takes (B, T, C), so the same tensor would give different "
+                         "outputs. Build it with batch_first=True (its weights do not depend on the flag), or "
+                         "transpose your inputs and set batch_first = True on it before converting.")
+
+
 class MultiHeadAttention(nn.Module):
     """MultiHead(X) = Concat(head_1, ..., head_h) W^O,  head_i = Attention(X W_i^Q, X W_i^K, X W_i^V).
 
@@ -569,6 +611,7 @@ class MultiHeadAttention(nn.Module):
         """An equivalent module (same outputs) from an nn.MultiheadAttention with q, k, v of one size."""
         if not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn:
             raise ValueError("from_torch supports nn.MultiheadAttention without kdim/vdim, add_bias_kv, add_zero_attn")
+        _check_batch_first(m, "nn.MultiheadAttention", cls.__name__)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the small-head warning is for models built by hand
             new = cls(m.embed_dim, m.num_heads, m.dropout, bias=m.in_proj_bias is not None, impl=impl)
@@ -706,6 +749,7 @@ class EncoderLayer(nn.Module):
         act = getattr(layer, "activation_relu_or_gelu", 0)
         if act not in (1, 2):
             raise ValueError("from_torch supports nn.TransformerEncoderLayer with activation 'relu' or 'gelu'")
+        _check_batch_first(layer.self_attn, "nn.TransformerEncoderLayer", cls.__name__)
         sa = layer.self_attn
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -977,7 +1021,27 @@ def optimizer_step(loss, model, optimizer, scaler, clip):
     return norm, stepped
 
 
-_CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "scheduler", "step", "rng", "model_config"}
+_CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "scheduler", "step", "rng", "model_config", "train_config",
+                    "world_size"}
+# options a resumed run may change: they decide where output goes and what is logged, not the run itself
+RESUME_FREE = {"resume", "out", "stop_after", "log_every", "eval_every", "save_every", "heatmap", "heatmap_layer",
+               "heatmap_head", "device", "compile_model"}
+
+
+def check_resume(cfg, state, world):
+    """A resumed run continues the saved one: the same options (but RESUME_FREE) and processes, or a clear error."""
+    saved = state["train_config"]
+    diff = [name for name in saved if name not in RESUME_FREE and saved[name] != getattr(cfg, name)]
+    if diff:
+        raise ValueError(f"--resume {cfg.resume}: the checkpoint's run had "
+                         + ", ".join(f"{name}={saved[name]!r}" for name in diff) + "; this run asks for "
+                         + ", ".join(f"{name}={getattr(cfg, name)!r}" for name in diff)
+                         + ". A resumed run continues the saved one (the schedule, data and optimizer depend on "
+                         "them): drop those options, or start a new run without --resume.")
+    if state["world_size"] != world:
+        raise ValueError(f"--resume {cfg.resume}: the checkpoint was written by {state['world_size']} process(es), "
+                         f"this run has {world}; every rank's data stream and random state are in it: resume "
+                         f"with {state['world_size']} (torchrun --nproc_per_node={state['world_size']})")
 
 
 def save_checkpoint(path, state):
@@ -1095,6 +1159,8 @@ def _train(cfg, device, rank, world, say):
         raise RuntimeError(f"--amp {cfg.amp} is not supported on {device} by torch {torch.__version__}: {e}") from e
 
     state = load_checkpoint(cfg.resume) if cfg.resume else None
+    if state:
+        check_resume(cfg, state, world)
     mcfg = EncoderConfig(**state["model_config"]) if state else cfg.model_config()
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = TokenClassifier(mcfg).to(device)
@@ -1138,7 +1204,8 @@ def _train(cfg, device, rank, world, say):
         if rank == 0:
             save_checkpoint(cfg.out, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                       "scaler": scaler.state_dict(), "scheduler": scheduler.state_dict(),
-                                      "step": step, "rng": rngs, "model_config": asdict(mcfg)})
+                                      "step": step, "rng": rngs, "model_config": asdict(mcfg),
+                                      "train_config": asdict(cfg), "world_size": world})
 
     t_start = time.time()
     t_log, reached = time.time(), None
@@ -1230,6 +1297,13 @@ def parse_args(argv=None):
         p.add_argument(flag, dest=name, type=kind, default=f.default, choices=f.metadata.get("choices"),
                        help=f.metadata["help"] + " (default: %(default)s)")
     args = p.parse_args(argv)
+    if args.resume:  # the saved run's options are the defaults; one given here that differs is an error (train)
+        try:
+            saved = load_checkpoint(args.resume)["train_config"]
+        except (OSError, ValueError) as e:
+            p.error(str(e))
+        p.set_defaults(**{name: value for name, value in saved.items() if name not in RESUME_FREE})
+        args = p.parse_args(argv)
     try:
         return TrainConfig(**vars(args))
     except ValueError as e:
