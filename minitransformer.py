@@ -36,6 +36,7 @@ Mask convention, the same in every path (it is SDPA's):
 
 import argparse
 import contextlib
+import functools
 import gc
 import math
 import os
@@ -130,6 +131,8 @@ def _check_mask(attn_mask, q, k):
         ok = False
     if not ok:
         raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, Lq, Lk) = {target}")
+    if attn_mask.dim() < 2:  # (Lk,) or (): one row for every query, as broadcasting reads it
+        attn_mask = attn_mask.expand(1, k.size(2))
     return attn_mask.to(q.device)
 
 
@@ -251,10 +254,11 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 # row max m and running normaliser l, a new block of scores S_j updates
 #     m' = max(m, rowmax(S_j)),   P_j = exp(S_j - m'),
 #     l' = l * exp(m - m') + rowsum(P_j),   acc' = acc * exp(m - m') + P_j V_j,
-# and at the end out = acc / l, lse = m + log(l). Only one (cq, ck) block of
-# scores exists at a time, so memory is linear in the sequence length. The
-# backward recomputes P_j = exp(S_j - lse) from the saved lse instead of storing
-# the blocks (FlashAttention-2, Algorithm 2):
+# and at the end out = acc / l. Only one (cq, ck) block of scores exists at a
+# time, so memory is linear in the sequence length. The backward recomputes
+# P_j = exp(S_j - m - log(l)) from the saved row statistics instead of storing the
+# blocks (FlashAttention-2, Algorithm 2; m and log(l) are kept apart, not summed
+# into one lse: a bias such as finfo.min makes m so large that m + log(l) == m):
 #     dV_j += P_j^T dO,   dP_j = dO V_j^T,   dS_j = P_j * (dP_j - rowsum(dO * O)),
 #     dQ += dS_j K_j * scale,   dK_j += dS_j^T Q * scale.
 # With dropout, P_j is replaced by P_j * Z_j / (1 - p) in the products with V and
@@ -290,7 +294,8 @@ def _dropout_keep(seed, dropout_p, B, H, Lq, q0, q1, k0, k1):
     device = seed.device
     bh = torch.arange(B * H, device=device).view(B, H, 1, 1)  # (B, H, 1, 1)
     rows = bh * Lq + torch.arange(q0, q1, device=device)[:, None]  # (B, H, cq, 1): one id per (b, h, i)
-    row_key = _mix32(_mix32((rows & _M32) ^ seed) ^ (rows >> 32))
+    # the seed is added to hashed row ids: xored with raw ids, seeds s and s ^ d would permute the same rows
+    row_key = _mix32((_mix32(_mix32(rows & _M32) ^ (rows >> 32)) + seed) & _M32)
     col_key = _mix32(torch.arange(k0, k1, device=device))  # (ck,)
     return _mix32(row_key ^ col_key) >= round(dropout_p * 2**32)  # (B, H, cq, ck)
 
@@ -327,17 +332,31 @@ def _block_scores(qi, k, bias, is_causal, window_size, q0, q1, k0, k1):
 # float32 too): every block is upcast, so memory stays linear, and no product is rounded to 8 or
 # 11 bits of mantissa. float32 and float64 inputs run as they are.
 
+
+def _autocast_off(op):
+    """Run op with autocast disabled: a custom op lets autocast through to the products inside it,
+    which it would cast back to 16 bits (and the backward, run outside autocast, would then
+    recompute probabilities that disagree with the forward's)."""
+    @functools.wraps(op)
+    def run(*args):
+        with torch.autocast(args[0].device.type, enabled=False):
+            return op(*args)
+    return run
+
+
 @torch.library.custom_op("minitransformer::chunked_attention_fwd", mutates_args=())
+@_autocast_off
 def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                  seed: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
                  window_size: Optional[int], cq: int, ck: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward of chunked attention: out (B, H, Lq, Dv) and lse (B, H, Lq, 1), base 2, float32 or wider."""
+    """Forward of chunked attention: out (B, H, Lq, Dv) and the row statistics (B, H, Lq, 2) in base 2,
+    float32 or wider: the row max m (+inf for a row with every key masked) and log2(l)."""
     B, H, Lq, D = q.shape
     Lk, Dv = k.size(-2), v.size(-1)
     acc = torch.promote_types(q.dtype, torch.float32)
     bias = _base2_bias(attn_mask, acc)
     out = torch.empty(B, H, Lq, Dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, H, Lq, 1, dtype=acc, device=q.device)
+    stats = torch.empty(B, H, Lq, 2, dtype=acc, device=q.device)
     for q0 in range(0, Lq, cq):
         q1 = min(q0 + cq, Lq)
         qi = q[:, :, q0:q1].to(acc) * (scale * LOG2E)  # (B, H, cq, D); cheaper than scaling the scores
@@ -358,22 +377,24 @@ def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
                 s.mul_(keep).mul_(1.0 / (1.0 - dropout_p))  # normaliser l already taken: kept weights scaled up
             o.mul_(alpha).add_(s @ v[:, :, k0:k1].to(acc))
             m = m_new
-        dead = l == 0  # every key masked: output 0, and lse = +inf so the backward sees P = 0
+        dead = l == 0  # every key masked: output 0, and m = +inf so that the backward sees P = 0
         out[:, :, q0:q1] = (o / l.masked_fill(dead, 1.0)).to(q.dtype)
-        lse[:, :, q0:q1] = torch.where(dead, float("inf"), m + torch.log2(l))  # base 2
-    return out, lse
+        stats[:, :, q0:q1, :1] = m.masked_fill(dead, float("inf"))
+        stats[:, :, q0:q1, 1:] = torch.log2(l.masked_fill(dead, 1.0))
+    return out, stats
 
 
 @torch.library.custom_op("minitransformer::chunked_attention_bwd", mutates_args=())
+@_autocast_off
 def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, attn_mask: Optional[torch.Tensor], seed: Optional[torch.Tensor], dropout_p: float,
+                 stats: torch.Tensor, attn_mask: Optional[torch.Tensor], seed: Optional[torch.Tensor], dropout_p: float,
                  is_causal: bool, scale: float, window_size: Optional[int], cq: int, ck: int,
                  mask_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of chunked attention: dq, dk, dv, and d(attn_mask) for a float mask when mask_grad
-    (else an empty tensor), recomputing each block's probabilities from lse."""
+    (else an empty tensor), recomputing each block's probabilities from the forward's row statistics."""
     B, H, Lq, _ = q.shape
     Lk = k.size(-2)
-    acc = lse.dtype
+    acc = stats.dtype
     bias = _base2_bias(attn_mask, acc)
     dq = torch.zeros_like(q, dtype=acc)
     dk = torch.zeros_like(k, dtype=acc)
@@ -384,12 +405,13 @@ def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         qj = q[:, :, q0:q1].to(acc)  # (B, H, cq, D)
         qi = qj * (scale * LOG2E)
         doi = dout[:, :, q0:q1].to(acc)  # (B, H, cq, Dv)
+        m, log2l = stats[:, :, q0:q1, :1], stats[:, :, q0:q1, 1:]  # (B, H, cq, 1) each
         # delta = rowsum(dO * O) = rowsum(P * dP): per block, so no (B, H, Lq, Dv) temporary
         delta = (doi * out[:, :, q0:q1].to(acc)).sum(-1, keepdim=True)  # (B, H, cq, 1)
         for k0, k1 in _key_blocks(q0, q1, Lk, ck, is_causal, window_size):
             kj, vj = k[:, :, k0:k1].to(acc), v[:, :, k0:k1].to(acc)
             s = _block_scores(qi, k, bias, is_causal, window_size, q0, q1, k0, k1)
-            p = s.sub_(lse[:, :, q0:q1]).exp2_()  # P_j recomputed: the forward's probabilities
+            p = s.sub_(m).sub_(log2l).exp2_()  # P_j recomputed: the forward's probabilities
             dp = doi @ vj.transpose(-2, -1)  # (B, H, cq, ck)
             if dropout_p > 0.0:
                 zs = _dropout_keep(seed, dropout_p, B, H, Lq, q0, q1, k0, k1) / (1.0 - dropout_p)
@@ -413,11 +435,11 @@ def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 @_chunked_fwd.register_fake
 def _(q, k, v, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck):
     acc = torch.promote_types(q.dtype, torch.float32)
-    return q.new_empty(*q.shape[:-1], v.size(-1)), q.new_empty(*q.shape[:-1], 1, dtype=acc)
+    return q.new_empty(*q.shape[:-1], v.size(-1)), q.new_empty(*q.shape[:-1], 2, dtype=acc)
 
 
 @_chunked_bwd.register_fake
-def _(dout, q, k, v, out, lse, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck, mask_grad):
+def _(dout, q, k, v, out, stats, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck, mask_grad):
     dbias = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
@@ -428,10 +450,10 @@ def _chunked_setup_context(ctx, inputs, output):
     ctx.args = args  # dropout_p, is_causal, scale, window_size, cq, ck
 
 
-def _chunked_backward(ctx, dout, dlse):
-    q, k, v, out, lse, attn_mask, seed = ctx.saved_tensors
+def _chunked_backward(ctx, dout, dstats):
+    q, k, v, out, stats, attn_mask, seed = ctx.saved_tensors
     mask_grad = ctx.needs_input_grad[3]  # a float mask that requires grad: a learned bias (T5, ALiBi)
-    dq, dk, dv, dbias = _chunked_bwd(dout, q, k, v, out, lse, attn_mask, seed, *ctx.args, mask_grad)
+    dq, dk, dv, dbias = _chunked_bwd(dout, q, k, v, out, stats, attn_mask, seed, *ctx.args, mask_grad)
     return dq, dk, dv, dbias if mask_grad else None, None, None, None, None, None, None, None
 
 
@@ -1015,7 +1037,8 @@ def optimizer_step(loss, model, optimizer, scaler, clip):
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
     scaler.step(optimizer)  # skipped by the scaler when the gradients hold inf or NaN
     scaler.update()
-    # the scaler skips exactly when an unscaled gradient is inf or NaN, which makes their norm non-finite
+    # the scaler skips exactly when an unscaled gradient is inf or NaN, which makes their norm non-finite;
+    # the converse fails only for finite gradients whose norm overflows (~1e19 each), which clipping zeroes
     stepped = torch.isfinite(norm) if scaler.is_enabled() else torch.ones((), dtype=torch.bool, device=norm.device)
     optimizer.zero_grad(set_to_none=True)
     return norm, stepped
@@ -1030,7 +1053,7 @@ RESUME_FREE = {"resume", "out", "stop_after", "log_every", "eval_every", "save_e
 
 def check_resume(cfg, state, world):
     """A resumed run continues the saved one: the same options (but RESUME_FREE) and processes, or a clear error."""
-    saved = state["train_config"]
+    saved = {name: value for name, value in state["train_config"].items() if hasattr(cfg, name)}
     diff = [name for name in saved if name not in RESUME_FREE and saved[name] != getattr(cfg, name)]
     if diff:
         raise ValueError(f"--resume {cfg.resume}: the checkpoint's run had "
@@ -1215,8 +1238,8 @@ def _train(cfg, device, rank, world, say):
     # running counts stay on the device and are read only on the steps that log, evaluate or save:
     # reading one every step (loss.item(), float(norm)) would make a GPU wait for the host each step
     zero = torch.zeros((), dtype=torch.long, device=device)
-    tokens, skipped, bad_step = zero.clone(), zero.clone(), zero.clone()  # bad_step: first non-finite loss
-    bad_loss = torch.zeros((), device=device)
+    tokens, skipped, bad_step = zero.clone(), zero.clone(), zero.clone()  # bad_step: the first non-finite one
+    bad = torch.zeros(2, device=device)  # its loss and gradient norm
     for step in range(start, last):
         # the batch is a function of (seed, rank, step) alone: resuming needs no data-loader state
         gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 1009 + rank)
@@ -1227,11 +1250,13 @@ def _train(cfg, device, rank, world, say):
             # (B*T, vocab) against (B*T,); the loss in float32 even under autocast
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1), ignore_index=PAD,
                                    label_smoothing=cfg.label_smoothing)
-        if cfg.amp != "fp16":  # fp16: the scaler skips non-finite steps itself
-            new_bad = (bad_step == 0) & ~torch.isfinite(loss.detach())
-            bad_step = torch.where(new_bad, step + 1, bad_step)
-            bad_loss = torch.where(new_bad, loss.detach(), bad_loss)
         norm, stepped = optimizer_step(loss, ddp, optimizer, scaler, cfg.clip)
+        if cfg.amp != "fp16":  # fp16: the scaler skips non-finite steps itself
+            # the norm is taken after DDP's all-reduce: another rank's NaN shows here on every rank
+            values = torch.stack([loss.detach(), norm.detach().float()])
+            new_bad = (bad_step == 0) & ~torch.isfinite(values).all()
+            bad_step = torch.where(new_bad, step + 1, bad_step)
+            bad = torch.where(new_bad, values, bad)
         skipped += ~stepped
         scheduler.step()
         tokens += lengths.sum() * world
@@ -1239,9 +1264,11 @@ def _train(cfg, device, rank, world, say):
         saving = cfg.out and (done % cfg.save_every == 0 or done == last)
         if not (saving or done % cfg.log_every == 0 or done % cfg.eval_every == 0 or done == last):
             continue  # no host read on this step
-        if bad_step.item():  # before any checkpoint: never save weights that a non-finite loss updated
-            raise FloatingPointError(f"loss is {bad_loss.item()} at step {bad_step.item()}: stopping; no checkpoint "
-                                     "is written from this state (lower --lr, or use --amp bf16/off)")
+        if bad_step.item():  # before any checkpoint: never save weights that a non-finite step updated
+            bad_loss, bad_norm = bad.tolist()
+            raise FloatingPointError(f"loss is {bad_loss} (gradient norm {bad_norm}) at step {bad_step.item()}: "
+                                     "stopping; no checkpoint is written from this state (lower --lr, or use "
+                                     "--amp bf16/off)")
         loss_value = loss.item()
         if done % cfg.log_every == 0 or done == last:
             acc = ((logits.argmax(-1) == y) & (y != PAD)).sum().item() / (y != PAD).sum().item()
@@ -1302,7 +1329,8 @@ def parse_args(argv=None):
             saved = load_checkpoint(args.resume)["train_config"]
         except (OSError, ValueError) as e:
             p.error(str(e))
-        p.set_defaults(**{name: value for name, value in saved.items() if name not in RESUME_FREE})
+        known = set(TrainConfig.__dataclass_fields__) - RESUME_FREE
+        p.set_defaults(**{name: value for name, value in saved.items() if name in known})
         args = p.parse_args(argv)
     try:
         return TrainConfig(**vars(args))

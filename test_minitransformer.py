@@ -202,6 +202,38 @@ def test_hugging_face_min_masks_mean_what_sdpa_means(impl, dtype, tol):
     assert (out.double() - ref).abs().max().item() <= tol
     if dtype != torch.float16:
         torch.testing.assert_close(out[:, :, 3].double(), v.to(dtype).double().mean(-2), atol=tol, rtol=0)
+    if dtype == torch.float32 and impl != "flash":  # (PyTorch's CPU flash kernel: wrong gradients for such rows)
+        dout = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+        with sdpa_kernel(SDPBackend.MATH):
+            want = grads_of(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=bias.double()),
+                            q, k, v, dout)
+        got = grads_of(lambda q, k, v: run_path(impl, q, k, v, attn_mask=bias), *(t.float() for t in (q, k, v, dout)))
+        for g, w in zip(got[1:], want[1:]):
+            torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["naive", "chunked"])
+def test_autocast_does_not_lower_the_computation(impl):
+    # under torch.autocast the products inside a path must stay in float32; the backward runs outside
+    # autocast, as in a training step, and must agree with the forward's probabilities
+    q, k, v = (t.float() for t in make_qkv(1, 2, 256, 256, 32, seed=4))
+    q, k = q * 2, k * 2
+    dout = torch.randn(1, 2, 256, 32, generator=torch.Generator().manual_seed(9))
+    want = grads_of(lambda q, k, v: run_path(impl, q, k, v, is_causal=True), q, k, v, dout)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = run_path(impl, *leaves, is_causal=True)
+    got = [out.detach()] + list(torch.autograd.grad(out, leaves, dout))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+def test_one_dimensional_float_mask_broadcasts_over_queries(impl):
+    q, k, v = make_qkv(2, 2, 7, 5, 8)
+    bias = torch.randn(5, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(run_path(impl, q, k, v, attn_mask=bias), reference(q, k, v, bias=bias.expand(7, 5)),
+                               atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize("impl", ["naive", "flash"])
@@ -1024,7 +1056,7 @@ def test_non_finite_loss_stops_with_the_step_and_no_checkpoint(tmp_path, monkeyp
         return logits * float("nan") if len(calls) == 3 else logits
     monkeypatch.setattr(mt.TokenClassifier, "forward", poisoned)
     ckpt = tmp_path / "ck.pt"
-    with pytest.raises(FloatingPointError, match="loss is nan at step 3"):
+    with pytest.raises(FloatingPointError, match=r"loss is nan \(gradient norm nan\) at step 3"):
         mt.train(mt.TrainConfig(**{**SMALL, "steps": 10, "out": str(ckpt), "save_every": 2}), log=quiet)
     state = mt.load_checkpoint(str(ckpt))  # the step-2 checkpoint is intact and is the last one written
     assert state["step"] == 2 and not (tmp_path / "ck.pt.tmp").exists()
