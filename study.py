@@ -1,8 +1,9 @@
 """
 study.py: what attention really costs, measured on your own machine.
 
-    python study.py            # default sweep for this machine (CUDA if present, else CPU)
-    python study.py --quick    # smoke run, under a minute on a 2-core CPU
+    python study.py                   # default sweep for this machine (CUDA if present, else CPU) -> runs/<device>/
+    python study.py --quick           # smoke run, under a minute on a 2-core CPU -> runs/<device>-quick/
+    python study.py --out results/cpu # refresh the committed reference (only ever on request)
 
 Sweeps the sequence length n and measures, for every attention path of
 minitransformer (naive, chunked, flash; on CUDA also each fused SDPA kernel forced
@@ -23,14 +24,25 @@ one at a time), forward and forward+backward:
   forward pass, halved for causal, x3.5 for forward+backward), and that as a
   percentage of the matrix-multiply rate measured on the same device in the same run.
 
-Rows are appended to <out>/study.csv as they are measured (--resume skips the points
-already there); an out-of-memory point is recorded as such and its curve stops
-there. Plots, fitted exponents, a summary and a "claims checked" section follow.
+Each point runs in a worker process whose memory is bounded by --mem-budget (CPU:
+4 GiB, the memory of a small GPU; CUDA: the GPU's memory): a point that needs more
+is recorded as out of memory and its curve stops there, which is where "the memory
+wall" of each path is read. Rows are appended to <out>/study.csv as they are
+measured (--resume skips the points already there). Plots, fitted exponents (only
+where the range and the data can carry them), the memory wall, a summary and a
+"claims checked" section follow.
+
+Where a run writes: the committed reference results live in results/<device>/, and
+no run replaces them unless --out says so. The default sweep writes to
+runs/<device>/, --quick to runs/<device>-quick/, any other change of what is
+measured to runs/<device>-custom/, --compare to runs/<device>-compare/ (runs/ is
+git-ignored).
 """
 
 import argparse
 import csv
 import ctypes
+import inspect
 import math
 import multiprocessing as mp
 import os
@@ -47,7 +59,7 @@ import torch
 import minitransformer as mt
 
 COLUMNS = ["device", "torch", "dtype", "series", "path", "kernel", "mode", "causal", "window", "B", "H", "D",
-           "n", "ms", "peak_mib", "rss_mib", "tflops", "pct_matmul", "matmul_tflops", "status"]
+           "n", "ms", "peak_mib", "rss_mib", "tflops", "pct_matmul", "matmul_tflops", "mem_budget_gib", "status"]
 MODES = ("fwd", "fwd+bwd")
 MIB = 2**20
 SDPA_SERIES = {"sdpa-flash": "flash", "sdpa-efficient": "efficient", "sdpa-cudnn": "cudnn"}
@@ -105,6 +117,48 @@ def growth_exponent(ns, ys, last=4):
     return fit_exponent([n for n, _ in diffs], [d for _, d in diffs], last=len(diffs))
 
 
+# An exponent is reported only where the range and the data can carry it. Over two
+# doublings, curves that still carry fixed costs gave memory "exponents" of -0.46 and 1.27
+# for chunked and flash, two linear paths (--quick); so: the FIT_POINTS largest n, spanning at least MIN_SPAN (three
+# doublings), every step up in n raising the value by more than its noise, and for the
+# growth exponent, successive differences that follow one power (local exponents within
+# MAX_SPREAD of each other: below one block, the chunked path's workspace still grows with
+# n, and its differences do not). Otherwise the report says that this range cannot tell,
+# and gives no number.
+FIT_POINTS, MIN_SPAN, MAX_SPREAD = 4, 8, 0.25
+NOISE = {  # (absolute, relative) that a step up in n must exceed
+    "peak_mib": (0.5, 0.0),  # exact, written with 0.1 MiB: five times that
+    "rss_mib": (4.0, 0.0),  # library workspaces and malloc move it by a few MiB
+    "ms": (0.0, 0.25),  # runs on a shared machine differ by about 20%
+}
+
+
+def supported_exponent(ns, ys, noise, growth=False):
+    """p in y ~ n^p over the FIT_POINTS largest n, or None where this range cannot tell.
+
+    noise: (absolute, relative); each step up in n must raise y by more than
+    max(absolute, relative * y). growth: p from the successive differences
+    (growth_exponent, which needs n in a geometric progression) instead of the plain
+    log-log slope; the differences must follow one power. A p that is not positive is
+    not a growth law: None.
+    """
+    pts = sorted((n, y) for n, y in zip(ns, ys) if y is not None and not math.isnan(y))[-FIT_POINTS:]
+    if len(pts) < FIT_POINTS or pts[-1][0] < MIN_SPAN * pts[0][0]:
+        return None
+    absolute, relative = noise
+    if any(b[1] - a[1] <= max(absolute, relative * a[1]) for a, b in zip(pts, pts[1:])):
+        return None
+    xs, vs = [n for n, _ in pts], [y for _, y in pts]
+    if not growth:
+        return fit_exponent(xs, vs, last=FIT_POINTS)  # positive: every step rose
+    diffs = [(b[0], b[1] - a[1]) for a, b in zip(pts, pts[1:])]
+    local = [math.log(d2 / d1) / math.log(n2 / n1) for (n1, d1), (n2, d2) in zip(diffs, diffs[1:])]
+    if max(local) - min(local) > MAX_SPREAD:
+        return None
+    p = growth_exponent(xs, vs, last=FIT_POINTS)
+    return p if p > 0 else None  # NaN (lengths not geometric) fails this too
+
+
 # -----------------------------------------------------------------------------
 # Measuring one point (runs in the worker process)
 
@@ -141,6 +195,14 @@ def _proc_kib(field):
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _available_bytes():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 8 * 2**30
 
 
 class _CpuPeak:
@@ -218,7 +280,7 @@ def _attention_call(spec, q, k, v):
                 chosen = mt._chosen_kernel(q, k, v, None, 0.0, spec["causal"], None)
         except RuntimeError:
             chosen = None
-        if chosen != SDPA_SERIES[path]:
+        if chosen not in (SDPA_SERIES[path], "unknown"):  # unknown: torch cannot say; running it will tell
             raise PointUnsupported(f"SDPA's {SDPA_SERIES[path]} kernel does not support these inputs here")
 
         def fn():
@@ -269,12 +331,34 @@ class _Workload:
         return time.perf_counter() - t0
 
 
+def _forced_kernel_runs(work, step, kernel):
+    """One whole step of a forced SDPA kernel, backward included, before anything is measured.
+
+    SDPA only says which kernel it would choose for the forward; a backward that this GPU
+    cannot run (some head dims need a newer architecture, say) fails only when called.
+    A plain RuntimeError (what the kernels' own checks raise) from PyTorch's forced kernel is
+    this device's answer: recorded as unsupported. Out of memory stays out of memory; its
+    subclasses (a CUDA fault, recursion, not implemented) and the same failure in any other
+    series are bugs and fail the run.
+    """
+    work.clear_grads()
+    try:
+        step()
+    except RuntimeError as e:
+        if type(e) is not RuntimeError or _is_oom(e):
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise PointUnsupported(f"SDPA's {kernel} kernel failed here: {first}"[:150]) from e
+
+
 def measure_point(spec):
     """Time and peak memory of one (series, mode, n) point; returns a dict of results."""
     work = _Workload(spec)
     step, kernel = work.step_for(spec)
     cuda = work.device.type == "cuda"
-    if cuda:  # warm-up: cuBLAS / cuDNN workspaces are one-time costs, not this point's memory
+    if spec["path"] in SDPA_SERIES:  # also the warm-up
+        _forced_kernel_runs(work, step, kernel)
+    elif cuda:  # warm-up: cuBLAS / cuDNN workspaces are one-time costs, not this point's memory
         work.timed(step)
     work.clear_grads()
     with (_CudaPeak() if cuda else _AllocPeak()) as alloc:  # on CPU this call is also the warm-up
@@ -296,9 +380,13 @@ def measure_compare(spec):
     in a rotated order, so that a slow spell of a shared machine hits them all alike."""
     work = _Workload(spec)
     steps = {s["series"]: work.step_for({**spec, **s}) for s in spec["series_list"]}
-    for step, _ in steps.values():  # warm-up
-        work.clear_grads()
-        step()
+    paths = {s["series"]: s["path"] for s in spec["series_list"]}
+    for name, (step, kernel) in steps.items():  # warm-up
+        if paths[name] in SDPA_SERIES:
+            _forced_kernel_runs(work, step, kernel)
+        else:
+            work.clear_grads()
+            step()
     names = list(steps)
     times = {name: [] for name in names}
     for r in range(spec["rounds"]):
@@ -328,13 +416,65 @@ def measure_matmul(spec):
     return {"tflops": 2 * N**3 / min(times) / 1e12}
 
 
-def _worker(conn, mem_limit_bytes):
-    if mem_limit_bytes:  # a point that needs more fails with an allocation error, not the OOM killer
-        limit = _proc_kib("VmSize") * 1024 + mem_limit_bytes
-        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+def native_bf16():
+    """Whether this GPU computes in bfloat16 natively (compute capability 8.0 on).
+
+    torch.cuda.is_bf16_supported() also says yes where bfloat16 is only emulated (T4,
+    V100: it can create a bfloat16 tensor), and emulated bfloat16 is slow; a torch
+    without the including_emulation keyword gets the capability asked directly.
+    """
+    if "including_emulation" in inspect.signature(torch.cuda.is_bf16_supported).parameters:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return torch.cuda.get_device_capability()[0] >= 8
+
+
+def describe_device(spec):
+    """The device's label, native bfloat16 and memory, asked in the worker so that the
+    parent process never creates a CUDA context of its own beside the worker's."""
+    if spec["device"] == "cuda":
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return {"label": f"cuda:{props.name}", "bf16": native_bf16(), "memory_bytes": props.total_memory}
+    label = f"cpu:{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+    return {"label": label, "bf16": True, "memory_bytes": _available_bytes()}
+
+
+def _cap_gpu_memory(budget_bytes):
+    """Out of memory above budget_bytes on this GPU: the caching allocator's cap for this process."""
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total))
+
+
+def _warm_up_cpu():
+    # thread pools, malloc's arenas and the profiler reserve about 300 MiB of address space
+    # when first used: reserved here, once, they do not count against the first point's budget
+    with _AllocPeak():
+        x = torch.randn(2048, 2048, requires_grad=True)
+        (x @ x).sum().backward()
+
+
+def _cap_address_space(budget_bytes):
+    """Out of memory above budget_bytes more than this process holds now (RLIMIT_AS): an
+    allocation error, recorded, instead of the OS's OOM killer or swapping.
+
+    Set again before every measurement, as a GPU's memory is empty at the start of each:
+    what malloc kept from earlier points does not count. Address space also counts thread
+    stacks and malloc's arenas that a point may add, some tens of MiB; tensors get the rest.
+    """
+    limit, hard = _proc_kib("VmSize") * 1024 + budget_bytes, resource.getrlimit(resource.RLIMIT_AS)[1]
+    resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+
+
+def _worker(conn, device, budget_bytes):
+    if budget_bytes and device == "cuda":
+        _cap_gpu_memory(budget_bytes)
+    elif budget_bytes:
+        _warm_up_cpu()
     while (spec := conn.recv()) is not None:
         try:
-            measure = {"matmul": measure_matmul, "compare": measure_compare}.get(spec.get("kind"), measure_point)
+            if budget_bytes and device == "cpu":
+                _cap_address_space(budget_bytes)
+            measure = {"matmul": measure_matmul, "compare": measure_compare,
+                       "device": describe_device}.get(spec.get("kind"), measure_point)
             result = measure(spec)
             conn.send(("ok", result))
         except PointUnsupported as e:
@@ -346,13 +486,13 @@ def _worker(conn, mem_limit_bytes):
 class WorkerRunner:
     """Runs measurements in a separate process, restarted if the OS kills it."""
 
-    def __init__(self, mem_limit_bytes):
-        self.mem_limit_bytes, self.proc = mem_limit_bytes, None
+    def __init__(self, device, budget_bytes):
+        self.device, self.budget_bytes, self.proc = device, budget_bytes, None
 
     def _start(self):
         ctx = mp.get_context("spawn")  # a fresh interpreter: no state, threads or heap from the parent
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(child, self.mem_limit_bytes), daemon=True)
+        self.proc = ctx.Process(target=_worker, args=(child, self.device, self.budget_bytes), daemon=True)
         self.proc.start()
 
     def __call__(self, spec):
@@ -393,20 +533,34 @@ class Series:
     chunk_size: int | tuple | None = None  # blocks of a chunked series (None: --chunk-size or the default)
 
 
-def default_series(device, causal, window, cpu_max_n=None):
+# The default CPU sweep, 256..16384 within about 2 minutes on 2 cores (times from
+# results/cpu/study.csv, each point = 5 calls: two memory readings and three timed):
+# - naive runs until the 4 GiB budget stops it: at 8192 one (H, n, n) float32 score matrix
+#   is 2 GiB and the forward needs two at once, so both modes run out within seconds;
+# - chunked and flash stop at 8192, past naive's wall: their fwd+bwd takes 3.4-4.1 s a call
+#   there, and 16384 (4x that, quadratic time) would add about 190 s for the four curves;
+# - chunked-window256 has linear time (0.4 s a call at 8192), so it alone goes on to 16384
+#   (about 6 s) and shows a linear-memory path at twice naive's wall;
+# - chunked-causal stops at 4096, where its block-skipping speed-up is already measured.
+# Estimate: 112 s (the previous default sweep up to 8192) + ~10 s (naive out of memory at
+# 8192) + ~6 s (window at 16384) = about 2 min 10 s.
+CPU_DEFAULT_CAPS = {"chunked": 8192, "flash": 8192, "chunked-causal": 4096}
+
+
+def default_series(device, causal, window, caps=None):
     """naive, chunked, flash (+ each fused SDPA kernel on CUDA), chunked-causal, chunked-window<w>.
 
-    cpu_max_n caps the series that do not need the longest lengths to make their point.
+    caps: {series name: longest n}, for series that need not go to the sweep's longest
+    length to make their point.
     """
-    series = [Series("naive", "naive", causal, max_n=cpu_max_n), Series("chunked", "chunked", causal),
-              Series("flash", "flash", causal)]
+    series = [Series("naive", "naive", causal), Series("chunked", "chunked", causal), Series("flash", "flash", causal)]
     if device.type == "cuda":
         series += [Series(name, name, causal) for name in SDPA_SERIES]
     if not causal:  # block skipping, measured side by side with the dense chunked path
-        series.append(Series("chunked-causal", "chunked", True, max_n=cpu_max_n))
+        series.append(Series("chunked-causal", "chunked", True))
     if window:
         series.append(Series(f"chunked-window{window}", "chunked", causal, window))
-    return series
+    return [replace(s, max_n=(caps or {}).get(s.name)) for s in series]
 
 
 def _key(row):
@@ -418,6 +572,11 @@ def read_rows(path):
         return []
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+def read_header(path):
+    with open(path, newline="") as f:
+        return next(csv.reader(f), [])
 
 
 class CsvLog:
@@ -493,7 +652,8 @@ def _ok_rows(rows):
 
 def exponents(rows):
     """{(series, mode): {"memory": growth exponent of peak_mib, "memory_slope": its plain log-log slope,
-    "rss_slope": log-log slope of rss_mib (CPU), "time": log-log slope of ms}}, over the largest n.
+    "rss_slope": log-log slope of rss_mib (CPU), "time": log-log slope of ms}}, over the largest n;
+    None where this range cannot tell (supported_exponent).
 
     RSS gets the plain slope: its few MiB of noise would swamp the differences that the
     growth exponent is made of."""
@@ -501,9 +661,30 @@ def exponents(rows):
     for key, rs in _ok_rows(rows).items():
         ns = [int(r["n"]) for r in rs]
         col = lambda name: [float(r[name]) if r.get(name) else float("nan") for r in rs]  # noqa: E731
-        res[key] = {"memory": growth_exponent(ns, col("peak_mib")), "memory_slope": fit_exponent(ns, col("peak_mib")),
-                    "rss_slope": fit_exponent(ns, col("rss_mib")), "time": fit_exponent(ns, col("ms"))}
+        res[key] = {"memory": supported_exponent(ns, col("peak_mib"), NOISE["peak_mib"], growth=True),
+                    "memory_slope": supported_exponent(ns, col("peak_mib"), NOISE["peak_mib"]),
+                    "rss_slope": supported_exponent(ns, col("rss_mib"), NOISE["rss_mib"]),
+                    "time": supported_exponent(ns, col("ms"), NOISE["ms"])}
     return res
+
+
+def _exp(p):
+    return "cannot tell" if p is None else f"{p:.2f}"
+
+
+def memory_wall(rows):
+    """[(series, mode, longest n that ran, first n out of memory or None, budget GiB or None)] per curve."""
+    walls = {}
+    for r in rows:
+        key = (r["series"], r["mode"])
+        ok, oom, budget = walls.get(key, (None, None, None))
+        n = int(r["n"])
+        if r["status"] == "ok":
+            ok = max(ok or 0, n)
+        elif r["status"].startswith("oom"):
+            oom = min(oom or n, n)
+        walls[key] = (ok, oom, r.get("mem_budget_gib") or budget)
+    return [(s, m, ok, oom, float(b) if b else None) for (s, m), (ok, oom, b) in walls.items()]
 
 
 def plot(rows, out_dir, title):
@@ -532,6 +713,9 @@ def plot(rows, out_dir, title):
         plt.close(fig)
 
     style = {s: dict(marker=markers[s], fillstyle="none", color=colors[s]) for s in series}
+    walls = memory_wall(rows)
+    budgets = {b for *_, b in walls if b}
+    budget_mib = 1024 * budgets.pop() if len(budgets) == 1 else None  # runs resumed under another budget: no line
     for what, col, unit in (("memory", "peak_mib", "peak memory above the inputs (MiB, allocator)"),
                             ("time", "ms", "time (ms)")):
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
@@ -539,7 +723,13 @@ def plot(rows, out_dir, title):
             for s in series:
                 if rs := curves.get((s, mode)):
                     ax.loglog([int(r["n"]) for r in rs], [max(float(r[col]), 1e-3) for r in rs], "-", base=2,
-                              label=f"{s} (exponent {fits[(s, mode)][what]:.2f})", **style[s])
+                              label=f"{s} (exponent {_exp(fits[(s, mode)][what])})", **style[s])
+            if what == "memory" and budget_mib:  # the wall: the budget, and where each curve hit it
+                ax.axhline(budget_mib, color="gray", ls="--", lw=1, label=f"memory budget {budget_mib / 1024:.3g} GiB")
+                for s, m, _, oom, _ in walls:
+                    if m == mode and oom:
+                        ax.plot([oom], [budget_mib], "X", color=colors[s], ms=10,
+                                label=f"{s}: out of memory at n={oom}")
             decorate(ax, mode)
         save(fig, axes, unit, what)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
@@ -567,20 +757,34 @@ def report(rows):
     """The summary table, the ratios and the claims checked, as Markdown text."""
     curves, fits = _ok_rows(rows), exponents(rows)
     lines = ["Memory exponent: p in memory = c + a * n^p, from successive differences of the allocator's peak "
-             "(the constant c of fixed workspaces cancels); in brackets the plain log-log slope over the three "
-             "largest n, which a constant pulls below p. RSS slope and time exponent: log-log slopes over the three "
-             "largest n.", "",
+             "(the constant c of fixed workspaces cancels); in brackets the plain log-log slope, which a constant "
+             "pulls below p. RSS slope and time exponent: plain log-log slopes. Each over the "
+             f"{FIT_POINTS} largest n of its curve, and given only where they span at least {MIN_SPAN}x in n and "
+             f"every step up in n raised the value by more than its noise (memory {NOISE['peak_mib'][0]:g} MiB, RSS "
+             f"{NOISE['rss_mib'][0]:g} MiB, time {NOISE['ms'][1]:.0%}), and for the memory exponent, only where "
+             f"the successive differences follow one power (local exponents within {MAX_SPREAD} of each other); "
+             "otherwise \"cannot tell\": this range cannot tell, and no number is given.", "",
              "| series | mode | largest n | ms | peak MiB | RSS MiB | TFLOP/s | % of matmul | memory exponent "
              "| RSS slope | time exponent |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (s, mode), rs in curves.items():
         r, f = rs[-1], fits[(s, mode)]
+        memory = _exp(f["memory"])  # its plain slope only beside it: alone, a constant makes it look sublinear
+        if f["memory"] is not None and f["memory_slope"] is not None:
+            memory += f" ({f['memory_slope']:.2f})"
         lines.append(f"| {s} ({r['kernel']}) | {mode} | {r['n']} | {float(r['ms']):.1f} | {float(r['peak_mib']):.1f} | "
                      f"{r.get('rss_mib') or '-'} | {float(r['tflops']):.3f} | {r['pct_matmul']} | "
-                     f"{f['memory']:.2f} ({f['memory_slope']:.2f}) | {f['rss_slope']:.2f} | {f['time']:.2f} |")
-    oom = sorted({(r["series"], r["mode"], int(r["n"])) for r in rows if r["status"].startswith("oom")})
-    if oom:
-        lines.append("\nOut of memory: " + ", ".join(f"{s} {m} n={n}" for s, m, n in oom))
+                     f"{memory} | {_exp(f['rss_slope'])} | {_exp(f['time'])} |")
+    walls = [w for w in memory_wall(rows) if w[2] or w[3]]
+    if walls:
+        lines += ["", "## The memory wall", "",
+                  "Each point ran in a worker process with a memory budget (CPU: its address space above its size "
+                  "before the point; CUDA: the caching allocator's cap); a point that needed more ran out of memory "
+                  "and its curve stopped there. \"-\": did not run out within this sweep.", "",
+                  "| series | mode | longest n within budget | first n that ran out | budget |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {s} | {m} | {ok or '-'} | {oom or '-'} | {f'{b:.4g} GiB' if b else 'not recorded'} |"
+                  for s, m, ok, oom, b in walls]
     lines += ["", "Ratios at the largest n that both paths reached (naive / path: > 1 means the path uses less "
               "memory or time):", ""]
     for mode in MODES:
@@ -613,9 +817,19 @@ def report(rows):
     fb = "fwd+bwd"
     if ("naive", fb) in fits:
         e = {s: fits[(s, fb)] for s in ("naive", "chunked", "flash") if (s, fb) in fits}
-        lines.append("- \"Attention memory is O(n^2)\": true of the naive path only. Measured memory exponents "
+        known = {s: x["memory"] for s, x in e.items() if x["memory"] is not None}
+        if not known:
+            verdict = "this range cannot tell"
+        elif (len(known) == len(e) > 1 and known["naive"] > 1.5
+              and all(p < 1.5 for s, p in known.items() if s != "naive")):
+            verdict = "true of the naive path only"
+        else:
+            verdict = "not settled by this range"
+        rss = {s for s in e if any(r.get("rss_mib") for r in curves[(s, fb)])}  # none on CUDA
+        lines.append(f"- \"Attention memory is O(n^2)\": {verdict}. Memory exponents "
                      "(fwd+bwd, allocator; in brackets the plain slope of the process RSS): "
-                     + ", ".join(f"{s} {x['memory']:.2f} ({x['rss_slope']:.2f})" for s, x in e.items()) + ".")
+                     + ", ".join(f"{s} {_exp(x['memory'])}" + (f" ({_exp(x['rss_slope'])})" if s in rss else "")
+                                 for s, x in e.items()) + ".")
     r2048 = _at(curves, "naive", "fwd", 2048)
     one = 2048 * 2048 * 4
     claim = (f"- \"At n=2048 one single-precision score matrix takes 16 GB\": one 2048 x 2048 float32 matrix is "
@@ -674,18 +888,31 @@ def _chunk_size(text):
     return sizes[0] if len(sizes) == 1 else sizes
 
 
+def _gib(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive size in GiB, got {text!r}")
+    return value
+
+
+CPU_BUDGET_GIB = 4.0  # the memory of a small GPU: naive's wall falls inside the default CPU sweep
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="where to measure (auto: CUDA if present)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="auto: bfloat16 on a GPU that has it, float32 on CPU")
+                   help="auto: bfloat16 on a GPU that computes in it natively, else float16; float32 on CPU")
     p.add_argument("--series", default=None,
                    help="comma-separated subset of series names to run (default: all for the device; see --list)")
     p.add_argument("--list", action="store_true", help="print the series of this configuration and exit")
     p.add_argument("--lengths", type=_lengths, default=None,
-                   help="comma-separated sequence lengths (default: powers of two that fit)")
+                   help="comma-separated sequence lengths (default: powers of two, CPU 256..16384, CUDA 512..32768)")
     p.add_argument("--batch", type=_positive_int, default=None, help="batch size B (default 1 on CPU, 4 on CUDA)")
     p.add_argument("--tokens", type=_positive_int, default=None,
                    help="fixed total tokens instead of a fixed batch: B = tokens // n (FlashAttention's benchmarks)")
@@ -697,7 +924,14 @@ def parse_args(argv=None):
                    help="forward (inference, no autograd graph), forward+backward, or both")
     p.add_argument("--chunk-size", type=_chunk_size, default=None,
                    help="blocks of the chunked path, 256 or 256x512 (queries x keys); default: its own")
-    p.add_argument("--out", default=None, help="output folder (default results/<device>)")
+    p.add_argument("--mem-budget", type=_gib, default=None, metavar="GIB",
+                   help="memory of the worker process that measures, in GiB; a point that needs more is recorded as "
+                        f"out of memory (default: {CPU_BUDGET_GIB:g} on CPU, the memory of a small GPU; on CUDA the "
+                        "GPU's own). Not applied to --compare")
+    p.add_argument("--out", default=None,
+                   help="output folder (default runs/<device>, runs/<device>-quick with --quick, runs/<device>-custom "
+                        "when what is measured differs from the default sweep, runs/<device>-compare with --compare; "
+                        "the committed reference, results/<device>, is written only when named here)")
     p.add_argument("--resume", action="store_true", help="keep <out>/study.csv and skip the points it already has")
     p.add_argument("--quick", action="store_true", help="smoke run: three short lengths, few repeats")
     p.add_argument("--compare", action="store_true",
@@ -709,11 +943,14 @@ def parse_args(argv=None):
                    help="measure nothing: redraw plots and summary.md from <out>/study.csv")
     p.add_argument("--target-seconds", type=float, default=0.5,
                    help="time spent on repeats per point (at least 3 repeats)")
-    p.add_argument("--mem-limit-gib", type=float, default=None,
-                   help="CPU: memory a point may use before it counts as out of memory (default 70%% of available)")
     args = p.parse_args(argv)
     if args.window < 0:
         p.error(f"--window must be >= 0, got {args.window}")
+    # is_available() only counts devices (cudaGetDeviceCount, or NVML with PYTORCH_NVML_BASED_CUDA_CHECK=1;
+    # torch/cuda/__init__.py, and the "CUDA in forked subprocesses" note of PyTorch's CUDA docs): that
+    # initialises the driver (cuInit), which would only matter to a forked worker (ours is spawned),
+    # but creates no context and holds no GPU memory. Everything that would (device name, capability,
+    # memory) is asked of the worker (describe_device).
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available here")
     if args.target_seconds <= 0:
@@ -721,34 +958,19 @@ def parse_args(argv=None):
     return args, p
 
 
-def _available_bytes():
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 8 * 2**30
-
-
 def configure(args, p):
+    """(device, lengths, series) from the options; the dtype waits for the worker's answer (choose_dtype)."""
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
-    if args.dtype != "auto":
-        dtype = args.dtype
-    elif device.type == "cuda":
-        dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    else:
-        dtype = "float32"
     cpu = device.type == "cpu"
+    default_sweep = not args.lengths and not args.quick
     if args.lengths:
         lengths = args.lengths
     elif args.quick:
         lengths = [256, 512, 1024]
     else:
-        lengths = [2**i for i in (range(8, 14) if cpu else range(9, 16))]  # CPU 256..8192, CUDA 512..32768
-    # on a CPU the quadratic naive path (and the causal ratio) stop at 4096, so that the sweep stays
-    # within about 3 minutes; the linear-memory paths go on to 8192 to show their slope
-    cpu_max_n = 4096 if cpu and not args.lengths and not args.quick else None
-    series = default_series(device, args.causal, args.window, cpu_max_n)
+        lengths = [2**i for i in (range(8, 15) if cpu else range(9, 16))]  # CPU 256..16384, CUDA 512..32768
+    series = default_series(device, args.causal, args.window, CPU_DEFAULT_CAPS if cpu and default_sweep else None)
     if args.series:  # a chunked series may carry its own blocks: chunked@256x512, chunked-causal@512
         known, chosen = {x.name: x for x in series}, []
         for name in (s.strip() for s in args.series.split(",")):
@@ -761,40 +983,76 @@ def configure(args, p):
             except argparse.ArgumentTypeError as e:
                 p.error(str(e))
         series = chosen
-    return device, dtype, lengths, series
+    return device, lengths, series
 
 
-def _device_label(device):
-    if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}"
-    return f"cpu:{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+def choose_dtype(requested, device, native_bf16):
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":  # emulated bfloat16 (T4, V100) is slower than float16 there
+        return "bfloat16" if native_bf16 else "float16"
+    return "float32"
 
 
-def compare(args, device, dtype, lengths, series, B, modes, runner, out, command):
-    """--compare: interleaved side-by-side timing; prints and writes <out>/compare.md."""
+# What is measured: a run that changes any of these is not the default sweep
+MEASURED = ("dtype", "series", "lengths", "batch", "tokens", "heads", "head_dim", "causal", "window", "mode",
+            "chunk_size", "mem_budget", "target_seconds")
+
+
+def out_dir(args, p, device):
+    """Where a run writes: --out, else a folder under runs/ (git-ignored) named for the kind of run.
+
+    results/<device> holds the committed reference: a run that replaced its plots and
+    summary unasked, or a --quick run that set its CSV aside, would pass for new reference
+    data; so it is written only when --out names it.
+    """
+    if args.out:
+        return args.out
+    if args.compare:
+        kind = "-compare"
+    elif args.quick:
+        kind = "-quick"
+    elif any(getattr(args, name) != p.get_default(name) for name in MEASURED):
+        kind = "-custom"
+    else:
+        kind = ""
+    return os.path.join("runs", device.type + kind)
+
+
+def compare(args, info, dtype, lengths, series, B, modes, runner, out, command):
+    """--compare: interleaved side-by-side timing; prints and writes <out>/compare.md, rewritten after
+    every (n, mode), so that a run stopped early keeps what it measured."""
     lines = [f"# Side-by-side timing ({args.rounds} interleaved rounds, median)", "",
-             f"{_device_label(device)}, {dtype}, torch {torch.__version__}, B={B}, H={args.heads}, D={args.head_dim}",
+             f"{info['label']}, {dtype}, torch {torch.__version__}, B={B}, H={args.heads}, D={args.head_dim}",
              "", f"Command: `{command}`", ""]
+    path = os.path.join(out, "compare.md")
     for n in lengths:
         for mode in modes:
-            spec = {"kind": "compare", "device": device.type, "dtype": dtype, "B": B, "H": args.heads,
+            spec = {"kind": "compare", "device": info["device"], "dtype": dtype, "B": B, "H": args.heads,
                     "D": args.head_dim, "n": n, "mode": mode, "rounds": args.rounds,
                     "series_list": [{**asdict(s), "series": s.name,
                                      "chunk_size": s.chunk_size or args.chunk_size} for s in series]}
-            res = runner(spec)
-            names = list(res)
-            lines += [f"## n={n}, {mode}", "", "| series | kernel | median ms |", "| --- | --- | --- |"]
-            lines += [f"| {m} | {res[m]['kernel']} | {1e3 * statistics.median(res[m]['times']):.1f} |" for m in names]
-            lines += ["", "| time(a) / time(b), median of per-round ratios | ratio |", "| --- | --- |"]
-            for i, a in enumerate(names):
-                for b in names[i + 1:]:
-                    ratio = statistics.median(x / y for x, y in zip(res[a]["times"], res[b]["times"]))
-                    lines.append(f"| {a} / {b} | {ratio:.2f}x |")
-            lines.append("")
-            print("\n".join(lines[-(len(names) * 2 + 8):]))
-    with open(os.path.join(out, "compare.md"), "w") as f:
-        f.write("\n".join(lines))
-    print(f"wrote {os.path.join(out, 'compare.md')}")
+            start = len(lines)
+            lines += [f"## n={n}, {mode}", ""]
+            try:
+                res = runner(spec)
+            except (PointOOM, PointUnsupported) as e:  # recorded; the other lengths and modes still run
+                lines += [f"Not measured: {'out of memory' if isinstance(e, PointOOM) else 'unsupported'}: {e}", ""]
+            else:
+                names = list(res)
+                lines += ["| series | kernel | median ms |", "| --- | --- | --- |"]
+                lines += [f"| {m} | {res[m]['kernel']} | {1e3 * statistics.median(res[m]['times']):.1f} |"
+                          for m in names]
+                lines += ["", "| time(a) / time(b), median of per-round ratios | ratio |", "| --- | --- |"]
+                for i, a in enumerate(names):
+                    for b in names[i + 1:]:
+                        ratio = statistics.median(x / y for x, y in zip(res[a]["times"], res[b]["times"]))
+                        lines.append(f"| {a} / {b} | {ratio:.2f}x |")
+                lines.append("")
+            print("\n".join(lines[start:]))
+            with open(path, "w") as f:
+                f.write("\n".join(lines))
+    print(f"wrote {path}")
 
 
 def main(argv=None, runner=None):
@@ -804,57 +1062,73 @@ def main(argv=None, runner=None):
     if args.compare:  # its own defaults: the issue's side-by-side point
         args.lengths = args.lengths or [4096]
         args.series = args.series or "flash,chunked,chunked-causal"
-    device, dtype, lengths, series = configure(args, p)
+    device, lengths, series = configure(args, p)
     if args.list:
         print("\n".join(s.name for s in series))
         return
-    out = args.out or os.path.join("results", device.type)
+    out = out_dir(args, p, device)
     os.makedirs(out, exist_ok=True)
+    if args.report:
+        return _report_only(p, out, command)
     modes = MODES if args.mode == "both" else (args.mode,)
     batch = args.batch or (1 if device.type == "cpu" else 4)
+    budget_gib = None if args.compare else args.mem_budget or (CPU_BUDGET_GIB if device.type == "cpu" else None)
     if runner is None:  # the worker process starts at its first measurement, not here
-        limit = None
-        if device.type == "cpu" and not args.compare:
-            limit = int((args.mem_limit_gib * 2**30) if args.mem_limit_gib else 0.7 * _available_bytes())
-        runner = WorkerRunner(limit)
+        runner = WorkerRunner(device.type, budget_gib and int(budget_gib * 2**30))
     try:
+        info = {**runner({"kind": "device", "device": device.type}), "device": device.type}
+        dtype = choose_dtype(args.dtype, device, info["bf16"])
         if args.compare:
-            return compare(args, device, dtype, lengths, series, batch, modes, runner, out, command)
-        return _sweep_and_report(args, p, device, dtype, lengths, series, batch, modes, runner, out, command)
+            return compare(args, info, dtype, lengths, series, batch, modes, runner, out, command)
+        if device.type == "cuda":  # a budget above the GPU's memory is the GPU's memory
+            budget_gib = min(budget_gib or math.inf, info["memory_bytes"] / 2**30)
+        elif budget_gib * 2**30 > info["memory_bytes"]:
+            print(f"warning: --mem-budget {budget_gib:g} GiB is more than the {info['memory_bytes'] / 2**30:.1f} GiB "
+                  "available now: the OS may stop the worker first (also recorded as out of memory)")
+        return _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budget_gib, runner, out,
+                                 command)
     finally:
         if isinstance(runner, WorkerRunner):
             runner.close()
 
 
-def _sweep_and_report(args, p, device, dtype, lengths, series, batch, modes, runner, out, command):
+def _report_only(p, out, command):
     csv_path = os.path.join(out, "study.csv")
-    dev_label = _device_label(device)
-    title = (f"{dev_label}, {dtype}, torch {torch.__version__}, "
+    rows = read_rows(csv_path)
+    if not rows:
+        p.error(f"--report: no measurements in {csv_path}")
+    r = rows[0]  # the title from what was measured, not from this machine
+    title = f"{r['device']}, {r['dtype']}, torch {r['torch']}, B={r['B']}, H={r['H']}, D={r['D']}"
+    if r.get("mem_budget_gib"):
+        title += f", memory budget {float(r['mem_budget_gib']):.4g} GiB"
+    return write_report(csv_path, out, title, f"report redrawn from {csv_path}; command: `{command}`")
+
+
+def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budget_gib, runner, out, command):
+    csv_path = os.path.join(out, "study.csv")
+    title = (f"{info['label']}, {dtype}, torch {torch.__version__}, "
              f"{f'B={batch}' if not args.tokens else f'B*n={args.tokens}'}, H={args.heads}, D={args.head_dim}"
-             f"{', causal' if args.causal else ''}")
-    if args.report:
-        rows = read_rows(csv_path)
-        if not rows:
-            p.error(f"--report: no measurements in {csv_path}")
-        r = rows[0]  # the title from what was measured, not from this machine
-        title = f"{r['device']}, {r['dtype']}, torch {r['torch']}, B={r['B']}, H={r['H']}, D={r['D']}"
-        return write_report(csv_path, out, title, f"report redrawn from {csv_path}; command: `{command}`")
+             f"{', causal' if args.causal else ''}, memory budget {budget_gib:.4g} GiB")
+    if args.resume and os.path.exists(csv_path) and read_header(csv_path) != COLUMNS:
+        p.error(f"--resume: {csv_path} has other columns than this version writes; run without --resume "
+                "(the old CSV is then set aside, not overwritten)")
     log = CsvLog(csv_path, args.resume)
     done = {_key(r) for r in read_rows(csv_path) if r["status"] == "ok"} if args.resume else set()
     t0 = time.time()
     try:
-        ceiling = runner({"kind": "matmul", "device": device.type, "dtype": dtype,
-                          "N": 2048 if device.type == "cpu" else 8192, "seconds": 2.0})["tflops"]
-        points = [{"device": dev_label, "torch": torch.__version__, "dtype": dtype, "series": s.name, "path": s.path,
-                   "mode": mode, "causal": s.causal, "window": s.window, "H": args.heads, "D": args.head_dim, "n": n,
-                   "B": max(1, args.tokens // n) if args.tokens else batch, "matmul_tflops": f"{ceiling:.4f}",
+        ceiling = runner({"kind": "matmul", "device": info["device"], "dtype": dtype,
+                          "N": 2048 if info["device"] == "cpu" else 8192, "seconds": 2.0})["tflops"]
+        points = [{"device": info["label"], "torch": torch.__version__, "dtype": dtype, "series": s.name,
+                   "path": s.path, "mode": mode, "causal": s.causal, "window": s.window, "H": args.heads,
+                   "D": args.head_dim, "n": n, "B": max(1, args.tokens // n) if args.tokens else batch,
+                   "matmul_tflops": f"{ceiling:.4f}", "mem_budget_gib": f"{budget_gib:.3f}",
                    "chunk_size": s.chunk_size or args.chunk_size, "min_repeats": 1 if args.quick else 3,
                    "target_s": 0.2 if args.quick else args.target_seconds}
                   for n in lengths for s in series for mode in modes
                   if s.max_n is None or n <= s.max_n]  # n outermost: paths side by side
         print(f"study: {title}; {len(points)} points -> {csv_path}")
         print(f"matmul ceiling: {ceiling:.3f} TFLOP/s ({dtype}, measured now)")
-        sweep(points, lambda pt: runner({**pt, "device": device.type}), log, done, ceiling)
+        sweep(points, lambda pt: runner({**pt, "device": info["device"]}), log, done, ceiling)
     finally:
         log.close()
     write_report(csv_path, out, title, f"sweep took {time.time() - t0:.0f} s; command: `{command}`")

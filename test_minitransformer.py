@@ -825,11 +825,20 @@ def test_fit_exponent():
     assert math.isnan(study.fit_exponent([256], [1.0]))
 
 
-def fake_runner(calls, oom=lambda s: False, fail=lambda s: False, unsupported=lambda s: False):
-    """Stands in for the worker: quadratic time, linear memory; injects OOM, an unsupported kernel or a bug."""
+def fake_runner(calls, oom=lambda s: False, fail=lambda s: False, unsupported=lambda s: False, device=None):
+    """Stands in for the worker: quadratic time, linear memory; injects OOM, an unsupported kernel or a bug.
+    device: its answer about the device (label, native bfloat16, memory)."""
     def run(spec):
+        if spec.get("kind") == "device":
+            return device or {"label": "cpu:fake", "bf16": True, "memory_bytes": 64 * 2**30}
         if spec.get("kind") == "matmul":
             return {"tflops": 1.0}
+        if spec.get("kind") == "compare":
+            calls.append(("compare", spec["mode"], spec["n"]))
+            if oom(spec):
+                raise study.PointOOM("injected")
+            return {s["series"]: {"kernel": s["path"], "times": [spec["n"] ** 2 / 1e7] * spec["rounds"]}
+                    for s in spec["series_list"]}
         calls.append((spec["series"], spec["mode"], spec["n"]))
         if oom(spec):
             raise study.PointOOM("injected")
@@ -897,7 +906,9 @@ def test_resume_skips_measured_points_and_old_results_are_kept(tmp_path):
 
 @pytest.mark.parametrize("argv", [["--lengths", "abc"], ["--lengths", "0,64"], ["--heads", "0"], ["--window", "-1"],
                                   ["--chunk-size", "0"], ["--chunk-size", "64x"],
-                                  ["--series", "nope"], ["--dtype", "float8"], ["--target-seconds", "0"]])
+                                  ["--series", "nope"], ["--dtype", "float8"], ["--target-seconds", "0"],
+                                  ["--mem-budget", "0"], ["--mem-budget", "-2"], ["--mem-budget", "nan"],
+                                  ["--mem-budget", "4GB"]])
 def test_bad_study_options_are_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit) as e:
         study.main(["--device", "cpu"] + argv)
@@ -907,11 +918,16 @@ def test_bad_study_options_are_argparse_errors(argv, capsys):
 
 def test_study_end_to_end_measures_real_memory(tmp_path):
     # a real worker process: the naive forward at n=512 must hold its (H, n, n) float32 scores
-    # and softmax output at once; the chunked forward never holds them
-    study.main(["--device", "cpu", "--lengths", "128,512", "--series", "naive,chunked,flash", "--heads", "4",
-                "--head-dim", "16", "--mode", "fwd", "--out", str(tmp_path), "--target-seconds", "0.02"])
+    # and softmax output at once; the chunked forward never holds them. At n=4096 those two
+    # are 2 x 256 MiB, more than a 0.5 GiB budget: naive runs out, chunked and flash go on.
+    study.main(["--device", "cpu", "--lengths", "128,512,4096", "--series", "naive,chunked,flash", "--heads", "4",
+                "--head-dim", "16", "--mode", "fwd", "--out", str(tmp_path), "--target-seconds", "0.02",
+                "--mem-budget", "0.5"])
     rows = {(r["series"], int(r["n"])): r for r in study.read_rows(tmp_path / "study.csv")}
+    assert rows.pop(("naive", 4096))["status"].startswith("oom")
     assert all(r["status"] == "ok" for r in rows.values())
+    assert float(rows[("chunked", 4096)]["peak_mib"]) < 0.5 * 1024 and rows[("flash", 4096)]["status"] == "ok"
+    assert "| naive | fwd | 512 | 4096 | 0.5 GiB |" in (tmp_path / "summary.md").read_text()
     scores_mib = 4 * 512 * 512 * 4 / 2**20  # (H, n, n) float32
     out_mib = 4 * 512 * 16 * 4 / 2**20
     naive = rows[("naive", 512)]
@@ -921,6 +937,138 @@ def test_study_end_to_end_measures_real_memory(tmp_path):
     assert float(rows[("chunked", 512)]["peak_mib"]) < float(naive["peak_mib"]) / 2
     assert rows[("flash", 512)]["kernel"] == "flash"
     assert "Claims checked" in (tmp_path / "summary.md").read_text()
+
+
+def test_an_exponent_needs_three_doublings_and_growth_above_noise():
+    ns = [256, 512, 1024, 2048]
+    memory, time_ = study.NOISE["peak_mib"], study.NOISE["ms"]
+    assert study.supported_exponent(ns, [40.0 + n / 64 for n in ns], memory, growth=True) == pytest.approx(1.0)
+    assert study.supported_exponent(ns, [3.0 + n**2 / 4096 for n in ns], memory, growth=True) == pytest.approx(2.0)
+    assert study.supported_exponent(ns, [n**2 / 1e4 for n in ns], time_) == pytest.approx(2.0)
+    # two doublings cannot tell, whatever the data: this is --quick's range
+    assert study.supported_exponent(ns[1:], [40.0 + n / 64 for n in ns[1:]], memory, growth=True) is None
+    # the curves a --quick run measured for chunked and flash (fwd+bwd, MiB), reported as -0.42 and 1.27 before
+    assert study.supported_exponent([256, 512, 1024], [7.0, 12.5, 16.6], memory, growth=True) is None
+    assert study.supported_exponent([256, 512, 1024], [2.8, 5.5, 12.0], memory, growth=True) is None
+    # differences that follow no single power (chunked below one block, flash at short n; measured)
+    assert study.supported_exponent(ns, [7.0, 12.5, 16.6, 24.6], memory, growth=True) is None
+    assert study.supported_exponent(ns, [0.7, 1.3, 3.2, 5.2], memory, growth=True) is None
+    # a step within the noise: 0.3 MiB of memory, 10% of time
+    assert study.supported_exponent(ns, [10.0, 10.3, 14.0, 22.0], memory, growth=True) is None
+    assert study.supported_exponent(ns, [10.0, 11.0, 40.0, 160.0], time_) is None
+    # growing ever more slowly (differences shrink): no negative exponent, no exponent at all
+    assert study.supported_exponent(ns, [100.0 - 12800 / n for n in ns], memory, growth=True) is None
+    assert study.supported_exponent([256, 512, 1024, 3000], [1.0, 2.0, 4.0, 8.0], memory, growth=True) is None
+
+
+def test_summary_gives_an_exponent_only_where_the_range_supports_it(tmp_path):
+    # the fake worker's memory is n / 10 MiB and its time n^2 / 1e4 ms: exponents 1 and 2
+    study.main(ARGS + ["--out", str(tmp_path)], runner=fake_runner([]))  # 64..256: two doublings
+    text = (tmp_path / "summary.md").read_text()
+    table = [line for line in text.splitlines() if line.startswith(("| naive (", "| chunked ("))]
+    assert len(table) == 4 and all(line.endswith("| cannot tell | cannot tell | cannot tell |") for line in table)
+    assert "\"Attention memory is O(n^2)\": this range cannot tell." in text
+    study.main(ARGS[:3] + ["64,128,256,512"] + ARGS[4:] + ["--out", str(tmp_path)], runner=fake_runner([]))
+    text = (tmp_path / "summary.md").read_text()
+    table = [line for line in text.splitlines() if line.startswith(("| naive (", "| chunked ("))]
+    assert len(table) == 4 and all(line.endswith("| 1.00 (1.00) | cannot tell | 2.00 |") for line in table)
+    assert "naive 1.00, chunked 1.00." in text and "true of the naive path only" not in text
+
+
+def test_memory_wall_in_summary_and_csv(tmp_path):
+    study.main(ARGS[:3] + ["64,128,256,512"] + ARGS[4:] + ["--out", str(tmp_path), "--mem-budget", "2.5"],
+               runner=fake_runner([], oom=lambda s: s["series"] == "naive" and s["n"] >= 256))
+    rows = study.read_rows(tmp_path / "study.csv")
+    assert {r["mem_budget_gib"] for r in rows} == {"2.500"}
+    text = (tmp_path / "summary.md").read_text()
+    for line in ["| naive | fwd | 128 | 256 | 2.5 GiB |", "| naive | fwd+bwd | 128 | 256 | 2.5 GiB |",
+                 "| chunked | fwd | 512 | - | 2.5 GiB |", "| chunked | fwd+bwd | 512 | - | 2.5 GiB |"]:
+        assert line in text
+    walls = {(s, m): (ok, oom) for s, m, ok, oom, _ in study.memory_wall(rows)}
+    assert walls[("naive", "fwd")] == (128, 256) and walls[("chunked", "fwd")] == (512, None)
+
+
+def test_runs_never_write_the_committed_results_unless_asked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    reference = tmp_path / "results" / "cpu"
+    reference.mkdir(parents=True)
+    (reference / "study.csv").write_text("committed\n")
+    (reference / "summary.md").write_text("committed\n")
+    small = ["--device", "cpu", "--heads", "2", "--head-dim", "16"]
+    study.main(["--device", "cpu", "--quick"], runner=fake_runner([]))
+    study.main(["--device", "cpu"], runner=fake_runner([]))  # the default sweep
+    study.main(small + ["--lengths", "64,128"], runner=fake_runner([]))
+    study.main(small + ["--compare", "--lengths", "64", "--rounds", "2"], runner=fake_runner([]))
+    assert sorted(p.name for p in reference.iterdir()) == ["study.csv", "summary.md"]
+    assert (reference / "study.csv").read_text() == (reference / "summary.md").read_text() == "committed\n"
+    for folder, first in [("cpu-quick", 256), ("cpu", 256), ("cpu-custom", 64)]:
+        assert int(study.read_rows(tmp_path / "runs" / folder / "study.csv")[0]["n"]) == first
+    assert (tmp_path / "runs" / "cpu-compare" / "compare.md").exists()
+    study.main(small + ["--lengths", "64,128", "--out", "results/cpu"], runner=fake_runner([]))  # asked
+    assert int(study.read_rows(reference / "study.csv")[0]["n"]) == 64
+
+
+def test_resume_refuses_a_csv_with_other_columns(tmp_path, capsys):
+    (tmp_path / "study.csv").write_text("device,series,n,status\ncpu,naive,64,ok\n")
+    with pytest.raises(SystemExit) as e:
+        study.main(ARGS + ["--out", str(tmp_path), "--resume"], runner=fake_runner([]))
+    assert e.value.code == 2 and "other columns" in capsys.readouterr().err
+    assert (tmp_path / "study.csv").read_text() == "device,series,n,status\ncpu,naive,64,ok\n"
+
+
+def test_compare_records_out_of_memory_and_goes_on(tmp_path):
+    calls = []
+    study.main(["--device", "cpu", "--compare", "--lengths", "64,128", "--series", "flash,chunked", "--rounds", "2",
+                "--out", str(tmp_path)], runner=fake_runner(calls, oom=lambda s: s["n"] == 64))
+    text = (tmp_path / "compare.md").read_text()
+    assert text.count("Not measured: out of memory") == 2 and "| flash / chunked | 1.00x |" in text
+    assert [n for _, _, n in calls] == [64, 64, 128, 128]
+
+
+def fake_cuda(monkeypatch):
+    """A CUDA device that the parent process may count but never touch: every call that
+    would create a CUDA context raises."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("_lazy_init", "init", "current_device", "set_device", "get_device_name", "get_device_properties",
+                 "get_device_capability", "is_bf16_supported", "mem_get_info", "synchronize", "memory_allocated",
+                 "set_per_process_memory_fraction", "reset_peak_memory_stats"):
+        def touched(*args, _name=name, **kwargs):
+            raise AssertionError(f"the parent process called torch.cuda.{_name}")
+        monkeypatch.setattr(torch.cuda, name, touched)
+
+
+@pytest.mark.parametrize("bf16, budget, dtype, budget_gib", [(False, [], "float16", "16.000"),
+                                                              (True, ["--mem-budget", "8"], "bfloat16", "8.000"),
+                                                              (True, ["--mem-budget", "64"], "bfloat16", "16.000")])
+def test_cuda_sweep_asks_the_worker_and_never_initialises_cuda(tmp_path, monkeypatch, bf16, budget, dtype, budget_gib):
+    fake_cuda(monkeypatch)
+    t4 = {"label": "cuda:Tesla T4 (fake)", "bf16": bf16, "memory_bytes": 16 * 2**30}
+    study.main(["--device", "cuda", "--lengths", "512,1024", "--series", "flash,sdpa-flash", "--out", str(tmp_path)]
+               + budget, runner=fake_runner([], device=t4))
+    rows = study.read_rows(tmp_path / "study.csv")
+    assert {(r["device"], r["dtype"], r["mem_budget_gib"]) for r in rows} == {(t4["label"], dtype, budget_gib)}
+    assert {r["series"] for r in rows} == {"flash", "sdpa-flash"}
+
+
+def test_native_bf16_ignores_emulation(monkeypatch):
+    # torch's own default counts emulated bfloat16 (a T4 can hold bfloat16 tensors) as supported
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert study.native_bf16() is False
+    assert study.choose_dtype("auto", torch.device("cuda"), study.native_bf16()) == "float16"
+    assert study.choose_dtype("bfloat16", torch.device("cuda"), False) == "bfloat16"
+    assert study.choose_dtype("auto", torch.device("cpu"), False) == "float32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)  # a torch without the keyword
+    for capability, native in [((7, 5), False), ((8, 0), True), ((9, 0), True)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=capability: c)
+        assert study.native_bf16() is native
+
+
+def test_gpu_check_script_is_runnable_bash_that_installs_nothing():
+    # its steps run end to end on a CPU with GPU_CHECK_SMOKE=1 (a few minutes); here only what is cheap
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".ci", "gpu")
+    assert os.access(script, os.X_OK)
+    assert subprocess.run(["bash", "-n", script], capture_output=True, text=True).returncode == 0
+    assert "pip install" not in open(script).read()  # the GPU machine has no network
 
 
 # ----------------------------------------------------------------------------- training loop
@@ -1083,8 +1231,8 @@ def test_torchrun_two_processes_keep_identical_parameters(tmp_path):
 
 
 # ----------------------------------------------------------------------------- benchmarks
-# `python -m pytest --benchmark-only` prints the comparison table; the normal run
-# (--benchmark-disable) calls each once. No test here asserts a time.
+# `python -m pytest --benchmark-enable --benchmark-only` prints the comparison table; the normal
+# run (--benchmark-disable, set in pyproject.toml) calls each once. No test here asserts a time.
 
 BENCH_VARIANTS = {"naive": {"impl": "naive"}, "chunked": {"impl": "chunked"}, "flash": {"impl": "flash"},
                   "chunked-causal": {"impl": "chunked", "is_causal": True},
@@ -1126,3 +1274,39 @@ def test_forced_sdpa_kernels_run_or_are_reported_unsupported():
     for path in ("sdpa-efficient", "sdpa-cudnn"):
         with pytest.raises(study.PointUnsupported, match="does not support"):
             study.measure_point({**spec, "path": path})
+
+
+SDPA = F.scaled_dot_product_attention  # the real one, for tests that replace it
+
+
+class _BackwardFails(torch.autograd.Function):
+    """A kernel whose forward runs and whose backward does not, as a forced kernel's can on some GPUs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, error):
+        ctx.error = error
+        return SDPA(q, k, v)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ctx.error
+
+
+@pytest.mark.parametrize("error", [RuntimeError("FlashAttention backward for head dim 16 requires sm80 or newer"),
+                                   torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")])
+def test_a_forced_kernel_whose_backward_fails_is_unsupported_but_a_bug_elsewhere_is_loud(monkeypatch, error):
+    spec = {"device": "cpu", "dtype": "float32", "B": 1, "H": 2, "n": 64, "D": 16, "causal": False,
+            "window": None, "chunk_size": None, "min_repeats": 1, "target_s": 0.01}
+
+    def sdpa(q, k, v, **kw):  # with autograd, the backward fails; the forward alone runs the real kernel
+        return _BackwardFails.apply(q, k, v, error) if q.requires_grad else SDPA(q, k, v)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    assert study.measure_point({**spec, "path": "sdpa-flash", "mode": "fwd"})["kernel"] == "flash"
+    oom = isinstance(error, torch.OutOfMemoryError)
+    with pytest.raises(torch.OutOfMemoryError if oom else study.PointUnsupported, match="requires sm80|out of memory"):
+        study.measure_point({**spec, "path": "sdpa-flash", "mode": "fwd+bwd"})
+    # the same failure in any other path is a bug: it fails the run (or stays out of memory)
+    monkeypatch.setattr(mt, "naive_attention", lambda q, k, v, **kw: (_BackwardFails.apply(q, k, v, error), None))
+    with pytest.raises(RuntimeError, match="requires sm80|out of memory") as e:
+        study.measure_point({**spec, "path": "naive", "mode": "fwd+bwd"})
+    assert not isinstance(e.value, study.PointUnsupported)
