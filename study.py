@@ -541,14 +541,16 @@ class Series:
 #   there, and 16384 (4x that, quadratic time) would add about 190 s for the four curves;
 # - chunked-window256 has linear time (0.4 s a call at 8192), so it alone goes on to 16384
 #   (about 6 s) and shows a linear-memory path at twice naive's wall;
-# - chunked-causal stops at 4096, where its block-skipping speed-up is already measured.
+# - chunked-causal stops at 4096, where its block-skipping speed-up is already measured;
+# - flash-window256 stops at 4096: SDPA takes a window only as an (n, n) mask, whose memory
+#   grows as n^2 (measured 89 MiB above the inputs at 4096, forward, against 9 MiB without).
 # Estimate: 112 s (the previous default sweep up to 8192) + ~10 s (naive out of memory at
 # 8192) + ~6 s (window at 16384) = about 2 min 10 s.
-CPU_DEFAULT_CAPS = {"chunked": 8192, "flash": 8192, "chunked-causal": 4096}
+CPU_DEFAULT_CAPS = {"chunked": 8192, "flash": 8192, "chunked-causal": 4096, "flash-window256": 4096}
 
 
 def default_series(device, causal, window, caps=None):
-    """naive, chunked, flash (+ each fused SDPA kernel on CUDA), chunked-causal, chunked-window<w>.
+    """naive, chunked, flash (+ each fused SDPA kernel on CUDA), chunked-causal, chunked-window<w>, flash-window<w>.
 
     caps: {series name: longest n}, for series that need not go to the sweep's longest
     length to make their point.
@@ -560,6 +562,7 @@ def default_series(device, causal, window, caps=None):
         series.append(Series("chunked-causal", "chunked", True))
     if window:
         series.append(Series(f"chunked-window{window}", "chunked", causal, window))
+        series.append(Series(f"flash-window{window}", "flash", causal, window))  # the window as an (n, n) mask
     return [replace(s, max_n=(caps or {}).get(s.name)) for s in series]
 
 
