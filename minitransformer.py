@@ -26,12 +26,17 @@ Mask convention, the same in every path (it is SDPA's):
 - a boolean mask is True where a query MAY attend to a key. This is the
   opposite of nn.MultiheadAttention's key_padding_mask (True = ignore);
 - integer 0/1 masks (the tutorial convention, 0 = masked) are read as boolean;
-- a floating mask is added to the scores (-inf masks);
+- a floating mask is added to the scores; only -inf masks (a finfo.min bias stays
+  finite, as in SDPA), and a float mask that requires grad gets its gradient;
 - masks broadcast to (B, H, Lq, Lk);
 - is_causal=True with an attn_mask applies both (SDPA refuses the pair);
 - window_size=w keeps keys with |i - j| <= w (with is_causal: 0 <= i - j <= w);
 - a query row with every key masked gives exactly zero output and zero
   gradients, never NaN.
+
+Every module and path compiles with torch.compile(fullgraph=True) and makes no
+host-device sync in its forward or backward; float16 and bfloat16 inputs are
+computed in float32 inside the naive and chunked paths.
 """
 
 import argparse
