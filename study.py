@@ -504,6 +504,8 @@ class WorkerRunner:
         except (EOFError, ConnectionResetError):  # the worker died mid-point
             self.proc.join()
             code, self.proc = self.proc.exitcode, None
+            if self.device == "cuda":  # a GPU out of memory raises in the worker; a dead worker is a crash
+                raise RuntimeError(f"the worker died (exit code {code}) measuring {spec}")
             raise PointOOM(f"worker killed (exit code {code}), most likely out of memory") from None
         if status == "oom":
             raise PointOOM(payload)
@@ -778,6 +780,17 @@ def report(rows):
         lines.append(f"| {s} ({r['kernel']}) | {mode} | {r['n']} | {float(r['ms']):.1f} | {float(r['peak_mib']):.1f} | "
                      f"{r.get('rss_mib') or '-'} | {float(r['tflops']):.3f} | {r['pct_matmul']} | "
                      f"{memory} | {_exp(f['rss_slope'])} | {_exp(f['time'])} |")
+    not_run = {}  # series and modes that stopped for another reason than memory: never silently absent
+    for r in rows:
+        if r["status"].startswith(("unsupported", "error")):
+            not_run.setdefault((r["series"], r["mode"]), f"n={r['n']}: {r['status']}")
+    if not_run:
+        lines += ["", "Not measured (from that n on): " + "; ".join(f"{s} {m} at {why}" for (s, m), why in
+                                                               not_run.items())]
+    if any(r["dtype"] in ("bfloat16", "float16") for r in rows):
+        lines += ["", "In bfloat16 and float16 the naive and chunked paths compute in float32 (minitransformer's "
+                  "accuracy choice: without TF32, float32 matrix products on a GPU), while the fused kernels compute "
+                  "in the input dtype with float32 accumulation: their time and memory ratios include that."]
     walls = [w for w in memory_wall(rows) if w[2] or w[3]]
     if walls:
         lines += ["", "## The memory wall", "",
@@ -1140,10 +1153,10 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
 def write_report(csv_path, out, title, note):
     """Plots and summary.md from the CSV alone, so that they can be redrawn without measuring (--report)."""
     rows = read_rows(csv_path)
-    files = plot(rows, out, title)
     text = f"# Attention scaling study\n\n{title}\n\n{note}\n\n" + report(rows) + "\n"
-    with open(os.path.join(out, "summary.md"), "w") as f:
+    with open(os.path.join(out, "summary.md"), "w") as f:  # first: a plotting failure must not lose it
         f.write(text)
+    files = plot(rows, out, title)
     print("\n" + text)
     print("wrote " + ", ".join([os.path.join(out, "summary.md")] + files))
 

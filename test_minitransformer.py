@@ -878,6 +878,8 @@ def test_sweep_records_an_unsupported_kernel_and_goes_on(tmp_path):
     assert status[("naive", "fwd", 64)].startswith("unsupported")
     assert status[("naive", "fwd", 128)].startswith("skipped") and ("naive", "fwd", 128) not in calls
     assert all(status[("chunked", m, n)] == "ok" for m in study.MODES for n in (64, 128, 256))
+    summary = (tmp_path / "summary.md").read_text()  # a series that never ran is named, not silently absent
+    assert "Not measured (from that n on): naive fwd at n=64: unsupported" in summary
 
 
 def test_sweep_fails_loudly_on_a_real_error_and_keeps_earlier_rows(tmp_path):
