@@ -1266,8 +1266,10 @@ def _train(cfg, device, rank, world, say):
         scheduler.step()
         tokens += lengths.sum() * world
         done = step + 1
+        logging = done % cfg.log_every == 0 or done == last
+        evaluating = done % cfg.eval_every == 0 or done == last  # rank 0 evaluates; every rank checks for NaN
         saving = cfg.out and (done % cfg.save_every == 0 or done == last)
-        if not (saving or done % cfg.log_every == 0 or done % cfg.eval_every == 0 or done == last):
+        if not (logging or evaluating or saving):
             continue  # no host read on this step
         if bad_step.item():  # before any checkpoint: never save weights that a non-finite step updated
             bad_loss, bad_norm = bad.tolist()
@@ -1275,15 +1277,15 @@ def _train(cfg, device, rank, world, say):
                                      "stopping; no checkpoint is written from this state (lower --lr, or use "
                                      "--amp bf16/off)")
         loss_value = loss.item()
-        if done % cfg.log_every == 0 or done == last:
+        if logging:
             acc = ((logits.argmax(-1) == y) & (y != PAD)).sum().item() / (y != PAD).sum().item()
-            now = time.time()
+            now, n_skipped = time.time(), skipped.item()
             say(f"step {done:5d} | loss {loss_value:.4f} | acc {acc:.3f} | lr {scheduler.get_last_lr()[0]:.2e} | "
                 f"grad norm {norm.item():.3f} | {tokens.item() / (now - t_log):,.0f} tok/s"
-                + (f" | skipped {skipped.item()}" if skipped.item() else ""))
+                + (f" | skipped {n_skipped}" if n_skipped else ""))
             t_log = now
             tokens.zero_()
-        if rank == 0 and (done % cfg.eval_every == 0 or done == last):
+        if evaluating and rank == 0:
             metrics = evaluate(model, held_out, amp_ctx)
             if reached is None and metrics["accuracy"] >= 0.99:
                 reached = (done, time.time() - t_start)
