@@ -1,46 +1,32 @@
 """
 minitransformer: a Transformer encoder in one file, with three attention paths.
 
-Read it top-down: masks, the three attention functions, multi-head attention,
-positional encodings, the encoder layer, the config, the encoder, then the
-training loop and its command line. Every attention path follows the signature
-and mask semantics of torch.nn.functional.scaled_dot_product_attention (SDPA)
-and is tested against it in float64.
+Read it top-down: masks, the three attention paths (naive, chunked, flash), multi-head
+attention, positional encodings, the encoder layer, the config and the encoder, then the
+training loop and its command line; input checks come last, out of the algorithms' way.
 
 References:
-1) Vaswani et al. 2017, "Attention Is All You Need" (the architecture, post-LN,
-   sinusoidal positions): https://arxiv.org/abs/1706.03762
-2) Rabe & Staats 2021, "Self-attention Does Not Need O(n^2) Memory" (chunked
-   attention with online softmax): https://arxiv.org/abs/2112.05682
-3) Dao et al. 2022 and Dao 2023, "FlashAttention" and "FlashAttention-2" (the
-   log-sum-exp statistics and the recomputing backward):
-   https://arxiv.org/abs/2205.14135, https://arxiv.org/abs/2307.08691
-4) Xiong et al. 2020, "On Layer Normalization in the Transformer Architecture"
-   (pre-LN): https://arxiv.org/abs/2002.04745
-5) Su et al. 2021, "RoFormer" (rotary position embedding):
-   https://arxiv.org/abs/2104.09864
-6) Micikevicius et al. 2018, "Mixed Precision Training" (loss scaling):
-   https://arxiv.org/abs/1710.03740
+1) Vaswani et al. 2017, "Attention Is All You Need": https://arxiv.org/abs/1706.03762
+2) Rabe & Staats 2021, "Self-attention Does Not Need O(n^2) Memory": https://arxiv.org/abs/2112.05682
+3) Dao et al. 2022, "FlashAttention": https://arxiv.org/abs/2205.14135, and Dao 2023,
+   "FlashAttention-2": https://arxiv.org/abs/2307.08691
+4) Xiong et al. 2020, "On Layer Normalization in the Transformer Architecture": https://arxiv.org/abs/2002.04745
+5) Su et al. 2021, "RoFormer" (rotary positions): https://arxiv.org/abs/2104.09864
+6) Micikevicius et al. 2018, "Mixed Precision Training": https://arxiv.org/abs/1710.03740
 
-Mask convention, the same in every path (it is SDPA's):
-- a boolean mask is True where a query MAY attend to a key. This is the
-  opposite of nn.MultiheadAttention's key_padding_mask (True = ignore);
-- integer 0/1 masks (the tutorial convention, 0 = masked) are read as boolean;
-- a floating mask is added to the scores; only -inf masks (a finfo.min bias stays
-  finite, as in SDPA), and a float mask that requires grad gets its gradient;
-- masks broadcast to (B, H, Lq, Lk);
-- is_causal=True with an attn_mask applies both (SDPA refuses the pair);
-- window_size=w keeps keys with |i - j| <= w (with is_causal: 0 <= i - j <= w);
-- a query row with every key masked gives exactly zero output and zero
-  gradients, never NaN.
-
-Every module and path compiles with torch.compile(fullgraph=True) and makes no
-host-device sync in its forward or backward; float16 and bfloat16 inputs are
-computed in float32 inside the naive and chunked paths.
+The attention paths share the signature and conventions of F.scaled_dot_product_attention (SDPA):
+- q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> out (B, H, Lq, Dv);
+- attn_mask broadcasts to (B, H, Lq, Lk). A bool mask is True where a query MAY attend (the
+  opposite of nn.MultiheadAttention's key_padding_mask); a float mask is added to the scores,
+  and only -inf masks a key; integer masks are refused, as SDPA refuses them;
+- is_causal: query i sees keys j <= i; with an attn_mask both apply (SDPA refuses the pair);
+- window_size=w: query i sees keys with |i - j| <= w (with is_causal: 0 <= i - j <= w);
+- a query whose keys are all masked gets a zero output and zero gradients, never NaN.
+Every module and path compiles with torch.compile(fullgraph=True) and reads no tensor value
+on the host in its forward or backward.
 """
 
 import argparse
-import contextlib
 import functools
 import gc
 import math
@@ -53,13 +39,13 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 IMPLS = ("naive", "chunked", "flash")
 
 # -----------------------------------------------------------------------------
-# Masks: one helper builds the mask of any block of the score matrix, for all
-# three paths (naive and flash ask for the whole matrix, chunked for one block).
+# Masks. mask_block gives the mask of any block of the score matrix: naive and flash ask
+# for the whole matrix, chunked for one block at a time.
 
 
 def causal_mask(Lq, Lk=None, device=None):
@@ -68,29 +54,11 @@ def causal_mask(Lq, Lk=None, device=None):
     return torch.ones(Lq, Lk, dtype=torch.bool, device=device).tril()
 
 
-def _check_range(t, lo, hi, name):
-    """Raise unless lo <= t < hi everywhere, without a host-device sync.
-
-    Reading a value on the host (`if t.max() >= hi`) would stall a GPU until its queue
-    drains, and breaks torch.compile's graph. On the CPU the values are read directly
-    (no sync, and the error names them); elsewhere, and under compilation, the check
-    is a device-side assert, raised when the device reaches it.
-    """
-    if t.numel() == 0:
-        return
-    if t.device.type == "cpu" and not torch.compiler.is_compiling():
-        t_min, t_max = (x.tolist() for x in torch.aminmax(t))  # tolist: no aten::_local_scalar_dense
-        if t_min < lo or t_max >= hi:
-            raise ValueError(f"{name} must lie in [{lo}, {hi}), got min {t_min} max {t_max}")
-    else:
-        torch._assert_async(((t >= lo) & (t < hi)).all(), f"{name} must lie in [{lo}, {hi})")
-
-
 def padding_mask(lengths, max_len):
     """Boolean (B, 1, 1, max_len) mask, True on the first lengths[b] keys of sequence b.
 
-    It broadcasts over heads and queries. nn.MultiheadAttention's key_padding_mask
-    is its negation: key_padding_mask = ~padding_mask(lengths, L)[:, 0, 0].
+    It broadcasts over heads and queries. nn.MultiheadAttention's key_padding_mask is its
+    negation: key_padding_mask = ~padding_mask(lengths, L)[:, 0, 0].
     """
     lengths = torch.as_tensor(lengths)
     if lengths.dim() != 1 or lengths.dtype.is_floating_point:
@@ -100,92 +68,40 @@ def padding_mask(lengths, max_len):
     return keep[:, None, None, :]  # (B, 1, 1, L)
 
 
-def _check_qkv(q, k, v):
-    """Shapes: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv); one float dtype, one device."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
-    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"q, k, v must share (B, H), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.size(-1) != k.size(-1):
-        raise ValueError(f"q and k must share the head dim, got {tuple(q.shape)} and {tuple(k.shape)}")
-    if k.size(-2) != v.size(-2):
-        raise ValueError(f"k and v must share the key length, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
-        raise TypeError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, device=None):
+    """The mask of scores[..., rows, cols] (rows, cols: slices of query and key positions).
 
-
-def _check_mask(attn_mask, q, k):
-    """Validate attn_mask against (B, H, Lq, Lk); returns it as bool (keep) or float (bias) or None."""
-    if attn_mask is None:
-        return None
-    target = (q.size(0), q.size(1), q.size(2), k.size(2))
-    if attn_mask.dtype == torch.bool:
-        pass
-    elif not attn_mask.dtype.is_floating_point and not attn_mask.dtype.is_complex:
-        attn_mask = attn_mask != 0  # integer 0/1 mask: 0 means masked
-    elif attn_mask.dtype.is_floating_point:
-        attn_mask = attn_mask.to(q.dtype)  # SDPA wants the bias in the dtype of q
-    else:
-        raise TypeError(f"attn_mask must be bool, integer or floating, got {attn_mask.dtype}")
-    try:
-        ok = attn_mask.dim() <= 4 and torch.broadcast_shapes(attn_mask.shape, target) == target
-    except RuntimeError:
-        ok = False
-    if not ok:
-        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, Lq, Lk) = {target}")
-    if attn_mask.dim() < 2:  # (Lk,) or (): one row for every query, as broadcasting reads it
-        attn_mask = attn_mask.expand(1, k.size(2))
-    return attn_mask.to(q.device)
-
-
-def _key_blocks(q0, q1, Lk, ck, is_causal, window_size):
-    """(k0, k1) of every key block that queries q0..q1-1 can see. Keys masked by causality or
-    the window alone are never computed, so causal and local attention do less work."""
-    lo, hi = 0, Lk
-    if is_causal:
-        hi = min(hi, q1)  # keys j <= i < q1
-    if window_size is not None:
-        lo, hi = max(lo, q0 - window_size), min(hi, q1 + window_size)  # |i - j| <= w
-    # blocks stay aligned to multiples of ck (k0 // ck seeds the dropout mask), cut to [lo, hi)
-    return [(max(k0, lo), min(k0 + ck, hi)) for k0 in range(lo // ck * ck, hi, ck)]
-
-
-def _mask_block(attn_mask, is_causal, window_size, q0, q1, k0, k1, device):
-    """The mask of scores[..., q0:q1, k0:k1]: bool (True = keep), float (added), or None (keep all).
-
-    attn_mask has been validated by _check_mask. The causal and window parts are
-    built from indices, so the chunked path never holds more than one block.
+    Returns a bool mask (True = keep), a float mask (added to the scores), or None (keep
+    every key), broadcastable to (B, H, rows, cols). attn_mask has passed
+    _check_attention_args. Causality and the window are built from positions, and only for
+    a block that straddles the diagonal or the window's edge.
     """
+    q0, q1, k0, k1 = rows.start, rows.stop, cols.start, cols.stop
     causal = is_causal and k1 - 1 > q0  # some key lies after some query
     local = window_size is not None and (k1 - 1 - q0 > window_size or q1 - 1 - k0 > window_size)
     keep = None
-    if causal or local:  # built only for blocks that straddle the diagonal or the window's edge
-        i = torch.arange(q0, q1, device=device)[:, None]
-        j = torch.arange(k0, k1, device=device)[None, :]
+    if causal or local:
+        i = torch.arange(q0, q1, device=device)[:, None]  # (rows, 1)
+        j = torch.arange(k0, k1, device=device)[None, :]  # (1, cols)
         keep = j <= i if causal else None
-        if local:  # compared, never subtracted: i - j would be an int64 (Lq, Lk) temporary
+        if local:  # compared, never subtracted: i - j would be an int64 (rows, cols) temporary
             near = (j >= i - window_size) & (j <= i + window_size)
             keep = near if keep is None else keep & near
     if attn_mask is None:
         return keep
-    m = attn_mask  # slice only the dims that are not broadcast
-    if m.size(-2) != 1:
-        m = m[..., q0:q1, :]
-    if m.size(-1) != 1:
-        m = m[..., k0:k1]
+    m = attn_mask  # sliced only where it does not broadcast and the block is not all of it
+    if m.size(-2) not in (1, q1 - q0):
+        m = m[..., rows, :]
+    if m.size(-1) not in (1, k1 - k0):
+        m = m[..., cols]
     if keep is None:
         return m
-    if m.dtype == torch.bool:
-        return m & keep
-    return m.masked_fill(~keep, float("-inf"))
+    return m & keep if m.dtype == torch.bool else m.masked_fill(~keep, float("-inf"))
 
 
 def _apply_mask(scores, mask):
-    """Scores with a mask from _mask_block applied, in place: -inf where a bool mask is False, + the bias
-    of a float mask. -inf, never -1e9: -1e9 overflows float16 and is not "masked" for large scores."""
+    """scores with a mask_block mask applied in place: -inf where a bool mask is False, the
+    bias of a float mask added. Never -1e9: it overflows float16."""
     if mask is None:
         return scores
     if mask.dtype == torch.bool:
@@ -193,18 +109,10 @@ def _apply_mask(scores, mask):
     return scores.add_(mask)
 
 
-def _full_mask(attn_mask, is_causal, window_size, Lq, Lk, device):
-    """The whole (.., Lq, Lk) mask, with fully masked rows re-opened, and those rows.
-
-    A row with every key masked would make softmax 0/0 = NaN in the forward and
-    NaN gradients in the backward. We let such rows attend to every key (any
-    finite value would do) and return `dead` (.., Lq, 1) so that the caller zeroes
-    their output; zeroing the output also zeroes their gradients.
-    """
-    mask = _mask_block(attn_mask, is_causal, window_size, 0, Lq, 0, Lk, device)
-    if mask is None:
-        return None, None
-    # no `if dead.any()`: that would stall a GPU on every call to ask the host
+def _reopen_dead_rows(mask):
+    """(mask, dead): a row with every key masked would make softmax 0/0 = NaN, forward and
+    backward; it is let to attend to every key instead, and `dead` (.., Lq, 1) marks it, for
+    the caller to zero its output (which also zeroes its gradients)."""
     if mask.dtype == torch.bool:
         dead = ~mask.any(-1, keepdim=True)
         return mask | dead, dead
@@ -212,39 +120,27 @@ def _full_mask(attn_mask, is_causal, window_size, Lq, Lk, device):
     return mask.masked_fill(dead, 0.0), dead
 
 
-def _check_window(window_size):
-    if window_size is not None and (not isinstance(window_size, int) or window_size < 0):
-        raise ValueError(f"window_size must be a non-negative int or None, got {window_size!r}")
-
-
-def _check_args(q, k, v, attn_mask, dropout_p, scale, window_size):
-    _check_qkv(q, k, v)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
-    _check_window(window_size)
-    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
-    return _check_mask(attn_mask, q, k), scale
-
-
 # -----------------------------------------------------------------------------
-# Path 1: naive attention, the textbook formula. Materialises (B, H, Lq, Lk).
+# Path 1: naive attention, the textbook formula. It materialises the (Lq, Lk) scores.
 
 
 def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, window_size=None):
-    """Attention(Q, K, V) = softmax(Q K^T * scale + M) V,  scale = 1/sqrt(d_k) by default.
+    """Attention(Q, K, V) = softmax(Q K^T * scale + M) V,  scale = 1/sqrt(D) by default.
 
-    q: (B, H, Lq, D), k: (B, H, Lk, D), v: (B, H, Lk, Dv) -> out (B, H, Lq, Dv) and
-    weights (B, H, Lq, Lk), the probabilities actually used (after dropout), so
-    that out == weights @ v. Mask convention: see the module docstring. float16 and
-    bfloat16 inputs are computed in float32 (scores rounded to 8 bits of mantissa
-    would be off by 1% of their size), and returned in their own dtype.
+    Returns out (B, H, Lq, Dv) and the weights (B, H, Lq, Lk) it used, after dropout, so
+    that out == weights @ v. float16 and bfloat16 are computed in float32.
     """
-    attn_mask, scale = _check_args(q, k, v, attn_mask, dropout_p, scale, window_size)
-    mask, dead = _full_mask(attn_mask, is_causal, window_size, q.size(-2), k.size(-2), q.device)
+    attn_mask, scale = _check_attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
+    Lq, Lk = q.size(-2), k.size(-2)
+    mask = mask_block(attn_mask, slice(0, Lq), slice(0, Lk), is_causal=is_causal, window_size=window_size,
+                      device=q.device)
+    dead = None
+    if mask is not None:
+        mask, dead = _reopen_dead_rows(mask)
     acc = torch.promote_types(q.dtype, torch.float32)
-    with torch.autocast(q.device.type, enabled=False):  # autocast would cast the products back down
-        scores = _apply_mask((q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale, mask)  # (B, H, Lq, Lk)
-        weights = torch.softmax(scores, dim=-1)
+    with torch.autocast(q.device.type, enabled=False):  # autocast would round the products to 16 bits
+        scores = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale  # (B, H, Lq, Lk)
+        weights = torch.softmax(_apply_mask(scores, mask), dim=-1)
         if dead is not None:
             weights = weights.masked_fill(dead, 0.0)
         if dropout_p > 0.0:
@@ -253,99 +149,56 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 
 
 # -----------------------------------------------------------------------------
-# Path 2: chunked attention with online softmax, forward and backward by hand.
+# Path 2: chunked attention: an online softmax over blocks, forward and backward by hand.
 #
-# For one block of queries, the keys are visited block by block. With running
-# row max m and running normaliser l, a new block of scores S_j updates
-#     m' = max(m, rowmax(S_j)),   P_j = exp(S_j - m'),
-#     l' = l * exp(m - m') + rowsum(P_j),   acc' = acc * exp(m - m') + P_j V_j,
-# and at the end out = acc / l. Only one (cq, ck) block of scores exists at a
-# time, so memory is linear in the sequence length. The backward recomputes
-# P_j = exp(S_j - m - log(l)) from the saved row statistics instead of storing the
-# blocks (FlashAttention-2, Algorithm 2; m and log(l) are kept apart, not summed
-# into one lse: a bias such as finfo.min makes m so large that m + log(l) == m):
+# Forward. For one block of queries, visit the keys block by block. With a running row max
+# m, normaliser l and output o, a block of scores S_j = Q K_j^T * scale + M_j updates
+#     m' = max(m, rowmax(S_j)),   P_j = exp(S_j - m'),   alpha = exp(m - m'),
+#     l' = alpha * l + rowsum(P_j),   o' = alpha * o + P_j V_j,
+# and at the end out = o / l. Only one (cq, ck) block of scores exists at a time: memory is
+# linear in the length. m and log(l) are saved for the backward, kept apart (a finfo.min
+# bias makes m so large that m + log(l) would round to m).
+#
+# Backward (FlashAttention-2, Algorithm 2). Recompute P_j = exp(S_j - m - log(l)), then
 #     dV_j += P_j^T dO,   dP_j = dO V_j^T,   dS_j = P_j * (dP_j - rowsum(dO * O)),
-#     dQ += dS_j K_j * scale,   dK_j += dS_j^T Q * scale.
-# With dropout, P_j is replaced by P_j * Z_j / (1 - p) in the products with V and
-# dO; Z is a hash of (seed, b, h, i, j), so the backward regenerates the forward's
-# mask without storing it, and the seed never has to be read on the host.
-# As in FlashAttention, scores are kept in base 2: exp(x) = exp2(x * log2(e)), and
-# log2(e) is folded into the scale of q, because exp2 is about 3x cheaper than exp
-# on CPUs and exponentiation is the largest cost after the matrix products.
+#     dQ += dS_j K_j * scale,   dK_j += dS_j^T Q * scale,   dM_j = dS_j (a float mask).
 #
-# For torch.compile the block loops are one opaque operator (torch.library.custom_op):
-# the compiler sees a single call with known output shapes (register_fake) and its
-# backward (register_autograd), and never unrolls the loops, so compile time does
-# not grow with the number of blocks, and a new length needs no new trace of them.
+# Dropout multiplies P_j by a keep-mask Z_j in the products with V and dO, and divides by
+# 1 - p. Z is a hash of (seed, b, h, i, j): the backward regenerates it without storing it.
+# Scores are kept in base 2, exp(x) = exp2(x * log2(e)), as in FlashAttention: exp2 is the
+# cheaper instruction. The block loops are one torch.library.custom_op: torch.compile sees
+# one call with known output shapes and never unrolls them.
 
 LOG2E = math.log2(math.e)
-_M32 = 0xFFFFFFFF
 
 
-def _mix32(x):
-    """A 32-bit integer hash, int64 tensors in [0, 2^32) -> [0, 2^32): xor-shift-multiply rounds
-    (a bijection with good avalanche). The multiplier is below 2^27: no product overflows int64."""
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
-    return (x >> 16) ^ x
+def default_chunk_size(device):
+    """(query block, key block). CPU: the best of the sizes measured (README, "Chunk sizes");
+    elsewhere a guess that keeps kernel launches few, not yet measured."""
+    return (256, 256) if torch.device(device).type == "cpu" else (512, 512)
 
 
-def _dropout_keep(seed, dropout_p, B, H, Lq, q0, q1, k0, k1):
-    """Dropout's keep-mask of the block [q0:q1, k0:k1], (B, H, q1-q0, k1-k0), True with probability 1 - p.
+def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
+                      window_size=None, chunk_size=None):
+    """softmax(Q K^T * scale + M) V, the same result as naive_attention, in O(L) memory.
 
-    seed: int64 tensor of shape (), in [0, 2^32), on the device. The mask is a pure
-    function of (seed, b, h, i, j): forward and backward, and any block size, draw the same.
+    chunk_size: int or (query block, key block); None: default_chunk_size. Blocks that
+    is_causal or window_size hide are skipped. Gradients flow to q, k, v and to a float
+    attn_mask that requires grad. Dropout's seed is drawn from the device's generator.
     """
-    device = seed.device
-    bh = torch.arange(B * H, device=device).view(B, H, 1, 1)  # (B, H, 1, 1)
-    rows = bh * Lq + torch.arange(q0, q1, device=device)[:, None]  # (B, H, cq, 1): one id per (b, h, i)
-    # the seed is added to hashed row ids: xored with raw ids, seeds s and s ^ d would permute the same rows
-    row_key = _mix32((_mix32(_mix32(rows & _M32) ^ (rows >> 32)) + seed) & _M32)
-    col_key = _mix32(torch.arange(k0, k1, device=device))  # (ck,)
-    return _mix32(row_key ^ col_key) >= round(dropout_p * 2**32)  # (B, H, cq, ck)
-
-
-def _chunks(chunk_size):
-    cq, ck = (chunk_size, chunk_size) if isinstance(chunk_size, int) else chunk_size
-    if cq < 1 or ck < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size!r}")
-    return cq, ck
-
-
-def _base2_bias(attn_mask, acc_dtype):
-    """A float mask in base-2 units (times log2(e)), in acc_dtype; bool masks and None pass through.
-
-    A finite bias stays finite: finfo.min (the Hugging Face convention for "masked") times
-    log2(e) would overflow to -inf, and a row of such keys would then be dead instead of the
-    average that SDPA gives. Only -inf masks.
-    """
-    if attn_mask is None or attn_mask.dtype == torch.bool:
-        return attn_mask
-    bias = (attn_mask.to(acc_dtype) * LOG2E).clamp(min=torch.finfo(acc_dtype).min)
-    return bias.masked_fill(torch.isneginf(attn_mask), float("-inf"))
-
-
-def _block_scores(qi, k, bias, is_causal, window_size, q0, q1, k0, k1):
-    """Masked base-2 scores of one block, (B, H, q1-q0, k1-k0), in qi's dtype; qi already carries
-    scale * log2(e) and bias is base 2 (_base2_bias). The forward computes them once; the
-    backward recomputes them instead of storing them."""
-    s = qi @ k[:, :, k0:k1].to(qi.dtype).transpose(-2, -1)  # (B, H, cq, ck)
-    return _apply_mask(s, _mask_block(bias, is_causal, window_size, q0, q1, k0, k1, qi.device))
-
-
-# float16 and bfloat16 inputs are computed in float32 (FlashAttention keeps S, P, dP and dS in
-# float32 too): every block is upcast, so memory stays linear, and no product is rounded to 8 or
-# 11 bits of mantissa. float32 and float64 inputs run as they are.
+    attn_mask, scale = _check_attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
+    cq, ck = _chunks(default_chunk_size(q.device) if chunk_size is None else chunk_size)
+    seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
+    return _chunked_fwd(q, k, v, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck)[0]
 
 
 def _autocast_off(op):
-    """Run op with autocast disabled: a custom op lets autocast through to the products inside it,
-    which it would cast back to 16 bits (and the backward, run outside autocast, would then
-    recompute probabilities that disagree with the forward's)."""
+    """Run op with autocast disabled: autocast reaches the products inside a custom op and would
+    round them to 16 bits (and the backward, run outside autocast, would then disagree)."""
     @functools.wraps(op)
-    def run(*args):
+    def run(*args, **kwargs):
         with torch.autocast(args[0].device.type, enabled=False):
-            return op(*args)
+            return op(*args, **kwargs)
     return run
 
 
@@ -353,202 +206,220 @@ def _autocast_off(op):
 @_autocast_off
 def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                  seed: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
-                 window_size: Optional[int], cq: int, ck: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward of chunked attention: out (B, H, Lq, Dv) and the row statistics (B, H, Lq, 2) in base 2,
-    float32 or wider: the row max m (+inf for a row with every key masked) and log2(l)."""
-    B, H, Lq, D = q.shape
-    Lk, Dv = k.size(-2), v.size(-1)
+                 window_size: Optional[int], cq: int, ck: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out (B, H, Lq, Dv), and per query the row max m and log2(l), (B, H, Lq, 1) in base 2,
+    float32 or wider; a query with every key masked gets m = +inf, so that its P is 0."""
+    B, H, Lq, _ = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
     bias = _base2_bias(attn_mask, acc)
-    out = torch.empty(B, H, Lq, Dv, dtype=q.dtype, device=q.device)
-    stats = torch.empty(B, H, Lq, 2, dtype=acc, device=q.device)
-    for q0 in range(0, Lq, cq):
-        q1 = min(q0 + cq, Lq)
-        qi = q[:, :, q0:q1].to(acc) * (scale * LOG2E)  # (B, H, cq, D); cheaper than scaling the scores
-        m = torch.full((B, H, q1 - q0, 1), float("-inf"), dtype=acc, device=q.device)
+    out = q.new_empty(B, H, Lq, v.size(-1))
+    row_max, log2_sum = q.new_empty(B, H, Lq, 1, dtype=acc), q.new_empty(B, H, Lq, 1, dtype=acc)
+    row_key, col_key = _dropout_keys(seed, B, H, Lq, k.size(-2)) if dropout_p > 0.0 else (None, None)
+    for rows in _blocks(Lq, cq):
+        m = q.new_full((B, H, rows.stop - rows.start, 1), float("-inf"), dtype=acc)
         l = torch.zeros_like(m)
-        o = torch.zeros(B, H, q1 - q0, Dv, dtype=acc, device=q.device)
-        for k0, k1 in _key_blocks(q0, q1, Lk, ck, is_causal, window_size):
-            s = _block_scores(qi, k, bias, is_causal, window_size, q0, q1, k0, k1)
+        o = q.new_zeros(B, H, rows.stop - rows.start, v.size(-1), dtype=acc)
+        for cols in _key_blocks(rows, k.size(-2), ck, is_causal, window_size):
+            s = _scores(q, k, bias, rows, cols, scale, is_causal, window_size)  # (B, H, cq, ck)
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-            # a row masked so far has m_new = -inf, and exp(-inf - (-inf)) = NaN; clamping to
-            # the lowest finite value makes it exp(-inf) = 0 and leaves every other row alone
+            # a row masked so far has m_new = -inf, and exp2(-inf - (-inf)) = NaN: the lowest
+            # finite value makes it exp2(-inf) = 0 and changes no other row
             m_safe = m_new.clamp(min=torch.finfo(acc).min)
-            s.sub_(m_safe).exp2_()  # P_j, in place: no second block-sized buffer
+            p = s.sub_(m_safe).exp2_()  # P_j, in place: no second block-sized buffer
             alpha = torch.exp2(m - m_safe)
-            l.mul_(alpha).add_(s.sum(-1, keepdim=True))
+            l.mul_(alpha).add_(p.sum(-1, keepdim=True))  # the normaliser counts dropped weights too
             if dropout_p > 0.0:
-                keep = _dropout_keep(seed, dropout_p, B, H, Lq, q0, q1, k0, k1)
-                s.mul_(keep).mul_(1.0 / (1.0 - dropout_p))  # normaliser l already taken: kept weights scaled up
-            o.mul_(alpha).add_(s @ v[:, :, k0:k1].to(acc))
+                _drop(p, _keep_bits(row_key[:, :, rows], col_key[cols], dropout_p))
+            o.mul_(alpha).add_(_matmul(p, v[:, :, cols]))
             m = m_new
-        dead = l == 0  # every key masked: output 0, and m = +inf so that the backward sees P = 0
-        out[:, :, q0:q1] = (o / l.masked_fill(dead, 1.0)).to(q.dtype)
-        stats[:, :, q0:q1, :1] = m.masked_fill(dead, float("inf"))
-        stats[:, :, q0:q1, 1:] = torch.log2(l.masked_fill(dead, 1.0))
-    return out, stats
+        dead = l == 0  # every key masked
+        out[:, :, rows] = (o / (l.masked_fill(dead, 1.0) * (1.0 - dropout_p))).to(q.dtype)
+        row_max[:, :, rows] = m.masked_fill(dead, float("inf"))
+        log2_sum[:, :, rows] = torch.log2(l.masked_fill(dead, 1.0))
+    return out, row_max, log2_sum
 
 
 @torch.library.custom_op("minitransformer::chunked_attention_bwd", mutates_args=())
 @_autocast_off
 def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 stats: torch.Tensor, attn_mask: Optional[torch.Tensor], seed: Optional[torch.Tensor], dropout_p: float,
-                 is_causal: bool, scale: float, window_size: Optional[int], cq: int, ck: int,
-                 mask_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of chunked attention: dq, dk, dv, and d(attn_mask) for a float mask when mask_grad
-    (else an empty tensor), recomputing each block's probabilities from the forward's row statistics."""
+                 row_max: torch.Tensor, log2_sum: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                 seed: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
+                 window_size: Optional[int], cq: int, ck: int, mask_grad: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv, and the gradient of a float attn_mask when mask_grad (else an empty tensor)."""
     B, H, Lq, _ = q.shape
-    Lk = k.size(-2)
-    acc = stats.dtype
+    acc = row_max.dtype
     bias = _base2_bias(attn_mask, acc)
-    dq = torch.zeros_like(q, dtype=acc)
-    dk = torch.zeros_like(k, dtype=acc)
-    dv = torch.zeros_like(v, dtype=acc)
-    dbias = torch.zeros_like(attn_mask, dtype=acc) if mask_grad else q.new_empty(0)
-    for q0 in range(0, Lq, cq):
-        q1 = min(q0 + cq, Lq)
-        qj = q[:, :, q0:q1].to(acc)  # (B, H, cq, D)
-        qi = qj * (scale * LOG2E)
-        doi = dout[:, :, q0:q1].to(acc)  # (B, H, cq, Dv)
-        m, log2l = stats[:, :, q0:q1, :1], stats[:, :, q0:q1, 1:]  # (B, H, cq, 1) each
-        # delta = rowsum(dO * O) = rowsum(P * dP): per block, so no (B, H, Lq, Dv) temporary
-        delta = (doi * out[:, :, q0:q1].to(acc)).sum(-1, keepdim=True)  # (B, H, cq, 1)
-        for k0, k1 in _key_blocks(q0, q1, Lk, ck, is_causal, window_size):
-            kj, vj = k[:, :, k0:k1].to(acc), v[:, :, k0:k1].to(acc)
-            s = _block_scores(qi, k, bias, is_causal, window_size, q0, q1, k0, k1)
-            p = s.sub_(m).sub_(log2l).exp2_()  # P_j recomputed: the forward's probabilities
-            dp = doi @ vj.transpose(-2, -1)  # (B, H, cq, ck)
-            if dropout_p > 0.0:
-                zs = _dropout_keep(seed, dropout_p, B, H, Lq, q0, q1, k0, k1) / (1.0 - dropout_p)
-                dv[:, :, k0:k1] += (p * zs).transpose(-2, -1) @ doi
-                dp.mul_(zs)
-            else:
-                dv[:, :, k0:k1] += p.transpose(-2, -1) @ doi
-            ds = p.mul_(dp.sub_(delta))  # dS_j = P_j * (dP_j - delta), the gradient of the scores
-            dq[:, :, q0:q1] += ds @ kj
-            dk[:, :, k0:k1] += ds.transpose(-2, -1) @ qj
-            if mask_grad:  # the bias is added to the scores: its gradient is dS, summed where it broadcasts
-                rows = slice(q0, q1) if attn_mask.size(-2) != 1 else slice(None)
-                cols = slice(k0, k1) if attn_mask.size(-1) != 1 else slice(None)
-                db = dbias[..., rows, cols]
-                db += ds.sum_to_size(db.shape)
+    dq, dk, dv = (torch.zeros_like(t, dtype=acc) for t in (q, k, v))
+    dmask = torch.zeros_like(attn_mask, dtype=acc) if mask_grad else q.new_empty(0)
+    row_key, col_key = _dropout_keys(seed, B, H, Lq, k.size(-2)) if dropout_p > 0.0 else (None, None)
+    for rows in _blocks(Lq, cq):
+        dout_i = dout[:, :, rows]  # (B, H, cq, Dv)
+        m, log2l = row_max[:, :, rows], log2_sum[:, :, rows]  # (B, H, cq, 1)
+        delta = (dout_i.to(acc) * out[:, :, rows].to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
+        for cols in _key_blocks(rows, k.size(-2), ck, is_causal, window_size):
+            p = _scores(q, k, bias, rows, cols, scale, is_causal, window_size).sub_(m).sub_(log2l).exp2_()  # P_j
+            dp = _matmul(dout_i, v[:, :, cols].transpose(-2, -1))  # (B, H, cq, ck)
+            p_dropped = p
+            if dropout_p > 0.0:  # the forward's mask; 1/(1-p) is applied to dV once, at the end
+                keep = _keep_bits(row_key[:, :, rows], col_key[cols], dropout_p)
+                p_dropped = _drop(p.clone(), keep)
+                _drop(dp, keep).mul_(1.0 / (1.0 - dropout_p))
+            dv[:, :, cols] += _matmul(p_dropped.transpose(-2, -1), dout_i)
+            ds = p.mul_(dp.sub_(delta))  # dS_j = P_j * (dP_j - delta)
+            dq[:, :, rows] += _matmul(ds, k[:, :, cols])
+            dk[:, :, cols] += _matmul(ds.transpose(-2, -1), q[:, :, rows])
+            if mask_grad:  # the mask is added to the scores: its gradient is dS, summed where it broadcasts
+                dm = dmask[..., rows if dmask.size(-2) != 1 else slice(None), :]
+                dm = dm[..., cols] if dmask.size(-1) != 1 else dm
+                dm += ds.sum_to_size(dm.shape)
     dq.mul_(scale)
     dk.mul_(scale)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias.to(attn_mask.dtype) if mask_grad else dbias
+    dv.mul_(1.0 / (1.0 - dropout_p))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask.to(attn_mask.dtype) if mask_grad else dmask
+
+
+def _matmul(a, b, alpha=1.0):
+    """alpha * (a @ b) for a (B, H, m, k) and b (B, H, k, n), in float32 or wider; float16
+    and bfloat16 operands are converted exactly to float32 first."""
+    acc = torch.promote_types(a.dtype, torch.float32)
+    a3, b3 = a.flatten(0, 1).to(acc), b.flatten(0, 1).to(acc)  # (B*H, m, k), (B*H, k, n)
+    out = torch.baddbmm(a3.new_empty(()), a3, b3, beta=0, alpha=alpha)  # alpha inside the product
+    return out.view(*a.shape[:-1], b.size(-1))  # (B, H, m, n)
+
+
+def _scores(q, k, bias, rows, cols, scale, is_causal, window_size):
+    """Masked scores of one block in base 2, (B, H, rows, cols): Q K^T * scale * log2(e) + bias,
+    bias already in base 2 (_base2_bias). The backward recomputes them instead of storing them."""
+    s = _matmul(q[:, :, rows], k[:, :, cols].transpose(-2, -1), alpha=scale * LOG2E)
+    return _apply_mask(s, mask_block(bias, rows, cols, is_causal=is_causal, window_size=window_size,
+                                     device=q.device))
+
+
+def _blocks(L, size):
+    return [slice(i, min(i + size, L)) for i in range(0, L, size)]
+
+
+def _key_blocks(rows, Lk, ck, is_causal, window_size):
+    """Slices of the key blocks that queries `rows` can see: blocks hidden by causality or the
+    window alone are never computed, and the visible range is cut to the visible keys."""
+    lo, hi = 0, Lk
+    if is_causal:
+        hi = min(hi, rows.stop)  # keys j <= i < rows.stop
+    if window_size is not None:
+        lo, hi = max(lo, rows.start - window_size), min(hi, rows.stop + window_size)
+    return [slice(k0, min(k0 + ck, hi)) for k0 in range(lo, hi, ck)]
+
+
+def _base2_bias(attn_mask, acc):
+    """A float mask times log2(e), in acc; bool masks and None pass through. A finite bias stays
+    finite (finfo.min * log2(e) would overflow to -inf and mask the key): only -inf masks."""
+    if attn_mask is None or attn_mask.dtype == torch.bool:
+        return attn_mask
+    bias = (attn_mask.to(acc) * LOG2E).clamp(min=torch.finfo(acc).min)
+    return bias.masked_fill(torch.isneginf(attn_mask), float("-inf"))
+
+
+_HASH = 0x2C1B3C6D  # odd: multiplying by it permutes the integers mod 2^31
+
+
+def _mix(x):
+    """Hash int32 values in [0, 2^31) in place, a permutation of that range: two rounds of
+    xor-shift and multiply (the product wraps mod 2^32; the mask keeps 31 bits)."""
+    for _ in range(2):
+        x.bitwise_xor_(x.bitwise_right_shift(15)).mul_(_HASH).bitwise_and_(0x7FFFFFFF)
+    return x
+
+
+def _dropout_keys(seed, B, H, Lq, Lk):
+    """Hashes of the rows (b, h, i) with the seed, (B, H, Lq, 1), and of the columns j, (Lk,), int32.
+
+    seed: an int32 tensor of shape () on the device. Row ids (b * H + h) * Lq + i wrap above
+    2^31 rows.
+    """
+    dev = seed.device
+    rows = (torch.arange(B * H, dtype=torch.int32, device=dev).view(B, H, 1, 1) * Lq
+            + torch.arange(Lq, dtype=torch.int32, device=dev)[:, None])  # (B, H, Lq, 1)
+    return _mix(_mix(rows.bitwise_and_(0x7FFFFFFF)) ^ seed), _mix(torch.arange(Lk, dtype=torch.int32, device=dev))
+
+
+def _keep_bits(row_key, col_key, dropout_p):
+    """Dropout's keep-mask of one block, (B, H, rows, cols): all bits set where a weight is kept
+    (probability 1 - p), none where it is dropped. A hash of (seed, b, h, i, j), so the forward
+    and the backward draw the same mask, whatever the block sizes."""
+    x = _mix(row_key ^ col_key)  # uniform in [0, 2^31)
+    x -= round(dropout_p * 2**31)  # negative where dropped
+    x.bitwise_right_shift_(31)  # the sign, spread to every bit: -1 (all set) where dropped, 0 where kept
+    return x.bitwise_not_()
+
+
+def _drop(t, keep_bits):
+    """Zero the dropped weights of t in place, by AND-ing its bits with the mask: a bool mask costs
+    two more passes over the block (its conversion to float, then the product)."""
+    bits = t.view(torch.int32 if t.dtype == torch.float32 else torch.int64)
+    bits &= keep_bits.to(bits.dtype)  # int64 from int32 keeps every bit set
+    return t
 
 
 @_chunked_fwd.register_fake
 def _(q, k, v, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck):
     acc = torch.promote_types(q.dtype, torch.float32)
-    return q.new_empty(*q.shape[:-1], v.size(-1)), q.new_empty(*q.shape[:-1], 2, dtype=acc)
+    stats = q.new_empty(*q.shape[:-1], 1, dtype=acc)
+    return q.new_empty(*q.shape[:-1], v.size(-1)), stats, torch.empty_like(stats)
 
 
 @_chunked_bwd.register_fake
-def _(dout, q, k, v, out, stats, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck, mask_grad):
-    dbias = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+def _(dout, q, k, v, out, row_max, log2_sum, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck,
+      mask_grad):
+    dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
 
 def _chunked_setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, seed, *args = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], attn_mask, seed)
-    ctx.args = args  # dropout_p, is_causal, scale, window_size, cq, ck
+    q, k, v, attn_mask, seed, *options = inputs
+    out, row_max, log2_sum = output
+    ctx.save_for_backward(q, k, v, out, row_max, log2_sum, attn_mask, seed)
+    ctx.options = options  # dropout_p, is_causal, scale, window_size, cq, ck
 
 
-def _chunked_backward(ctx, dout, dstats):
-    q, k, v, out, stats, attn_mask, seed = ctx.saved_tensors
+def _chunked_backward(ctx, dout, _drow_max, _dlog2_sum):
+    q, k, v, out, row_max, log2_sum, attn_mask, seed = ctx.saved_tensors
     mask_grad = ctx.needs_input_grad[3]  # a float mask that requires grad: a learned bias (T5, ALiBi)
-    dq, dk, dv, dbias = _chunked_bwd(dout, q, k, v, out, stats, attn_mask, seed, *ctx.args, mask_grad)
-    return dq, dk, dv, dbias if mask_grad else None, None, None, None, None, None, None, None
+    dq, dk, dv, dmask = _chunked_bwd(dout, q, k, v, out, row_max, log2_sum, attn_mask, seed, *ctx.options,
+                                     mask_grad)
+    return dq, dk, dv, dmask if mask_grad else None, None, None, None, None, None, None, None
 
 
 _chunked_fwd.register_autograd(_chunked_backward, setup_context=_chunked_setup_context)
 
 
-def default_chunk_size(device):
-    """Block sizes (query block, key block). CPU: measured best of the sizes tried (README,
-    "Chunk sizes"); CUDA: a guess that keeps kernel launches few, not yet measured."""
-    return (256, 256) if torch.device(device).type == "cpu" else (512, 512)
-
-
-def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
-                      window_size=None, chunk_size=None):
-    """Memory-efficient attention: the same result as naive_attention, in O(L) memory.
-
-    q: (B, H, Lq, D), k: (B, H, Lk, D), v: (B, H, Lk, Dv) -> (B, H, Lq, Dv).
-    chunk_size: int or (query block, key block); None picks default_chunk_size.
-    Blocks masked by is_causal / window_size are skipped, not computed.
-    Gradients flow to q, k, v and to a float attn_mask that requires grad. Dropout's seed is drawn from
-    the device's generator (torch.manual_seed / torch.cuda.manual_seed control it).
-    """
-    attn_mask, scale = _check_args(q, k, v, attn_mask, dropout_p, scale, window_size)
-    cq, ck = _chunks(default_chunk_size(q.device) if chunk_size is None else chunk_size)
-    seed = torch.randint(0, 2**32, (), device=q.device) if dropout_p > 0.0 else None
-    return _chunked_fwd(q, k, v, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck)[0]
-
-
 # -----------------------------------------------------------------------------
-# Path 3: PyTorch's fused kernel. SDPA picks a kernel by itself and silently
-# falls back to the unfused math kernel when no fused one fits the inputs; we
-# ask first, and warn (or raise) instead of being silent.
+# Path 3: PyTorch's fused kernel. SDPA picks a kernel by itself and falls back to its
+# unfused math kernel without a word when no fused one accepts the inputs: we ask first.
 
-_KERNELS = {
-    "flash": SDPBackend.FLASH_ATTENTION,
-    "efficient": SDPBackend.EFFICIENT_ATTENTION,
-    "cudnn": SDPBackend.CUDNN_ATTENTION,
-    "math": SDPBackend.MATH,
-}
-
-
-def _sdpa_inputs(q, k, attn_mask, is_causal, window_size):
-    """SDPA's (attn_mask, is_causal) for our semantics, and the fully masked rows to zero."""
-    if attn_mask is None and window_size is None:
-        return None, is_causal, None  # pure causal: key 0 is visible to every query, no dead rows
-    mask, dead = _full_mask(attn_mask, is_causal, window_size, q.size(-2), k.size(-2), q.device)
-    return mask, False, dead
-
-
-def _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale):
-    """The SDPA kernel these inputs get: 'flash', 'efficient', 'cudnn', 'math', or 'unknown' where
-    torch cannot tell (no torch._fused_sdp_choice, or a device other than CPU and CUDA: MPS, XPU)."""
-    # torch._fused_sdp_choice is the very function SDPA consults to pick its kernel,
-    # and it honours an enclosing sdpa_kernel(...) restriction; it is private, so ask for it
-    if q.device.type not in ("cpu", "cuda") or not hasattr(torch, "_fused_sdp_choice"):
-        return "unknown"
-    try:
-        choice = SDPBackend(torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale))
-    except RuntimeError as e:  # every enabled kernel refuses these inputs
-        raise RuntimeError(f"no enabled SDPA kernel can run these inputs: {str(e).splitlines()[0]}") from e
-    names = [name for name, backend in _KERNELS.items() if backend == choice]
-    if not names:
-        raise RuntimeError(f"no enabled SDPA kernel can run these inputs (SDPA chose {choice})")
-    return names[0]
-
-
-def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, window_size=None):
-    """Which SDPA kernel flash_attention would run for these inputs: 'flash', 'efficient', 'cudnn',
-    'math', or 'unknown' where torch cannot tell (MPS, XPU, a torch without the kernel query)."""
-    attn_mask, scale = _check_args(q, k, v, attn_mask, dropout_p, scale, window_size)
-    mask, causal, _ = _sdpa_inputs(q, k, attn_mask, is_causal, window_size)
-    return _chosen_kernel(q, k, v, mask, dropout_p, causal, scale)
+_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+_KERNEL_NAMES = {int(backend): name for name, backend in _KERNELS.items()}
 
 
 def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
                     window_size=None, on_math="warn"):
-    """softmax(Q K^T * scale + M) V through F.scaled_dot_product_attention's fused kernels.
+    """softmax(Q K^T * scale + M) V by F.scaled_dot_product_attention's fused kernels.
 
-    q: (B, H, Lq, D), k: (B, H, Lk, D), v: (B, H, Lk, Dv) -> (B, H, Lq, Dv).
-    When no fused kernel accepts the inputs (dropout on CPU, say), on_math decides:
-    "warn" (once per reason) and run the math kernel, "raise" a RuntimeError, or
-    "allow" silently. A mask (or window) is materialised as (.., Lq, Lk); pure
-    is_causal is passed to the kernel as is. Under torch.compile, and where torch
-    cannot report its kernel (MPS, XPU), SDPA is called directly, unchecked.
+    When no fused kernel accepts the inputs (dropout on a CPU, say), on_math decides: "warn"
+    and run the math kernel, "raise" a RuntimeError, or "allow". A mask or window is passed
+    as an (.., Lq, Lk) mask; pure is_causal as the kernel's flag. Under torch.compile, and
+    where torch cannot report its kernel (MPS, XPU), SDPA runs unchecked.
     """
     if on_math not in ("warn", "raise", "allow"):
         raise ValueError(f"on_math must be 'warn', 'raise' or 'allow', got {on_math!r}")
-    attn_mask, scale = _check_args(q, k, v, attn_mask, dropout_p, scale, window_size)
-    mask, causal, dead = _sdpa_inputs(q, k, attn_mask, is_causal, window_size)
-    # the compiler picks the kernel itself, and a Python int from the kernel query would break its graph
+    attn_mask, scale = _check_attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
+    mask, causal = _sdpa_mask(q, k, attn_mask, is_causal, window_size)
+    keep_bias = mask is not None and mask.is_floating_point() and torch.is_autocast_enabled(q.device.type)
+    if keep_bias:  # autocast would round a float mask to 16 bits with q, k, v: cast those alone, as it would
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    # the compiler picks the kernel itself, and the query's Python int would break its graph
     kernel = "unknown" if torch.compiler.is_compiling() else _chosen_kernel(q, k, v, mask, dropout_p, causal, scale)
     if kernel == "math" and on_math != "allow":
         why = (f"no fused SDPA kernel accepts these inputs (device={q.device.type}, dtype={q.dtype}, "
@@ -557,20 +428,58 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         if on_math == "raise":
             raise RuntimeError(why)
         warnings.warn(why, stacklevel=2)
-    with contextlib.nullcontext() if kernel == "unknown" else sdpa_kernel(_KERNELS[kernel]):  # exactly the one reported
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                             is_causal=causal, scale=scale)
+    dead = None
+    if mask is not None and q.device.type != "cpu" and kernel != "math":  # CPU kernels need neither step
+        if mask.dtype not in (torch.bool, q.dtype):
+            mask = mask.to(q.dtype)  # CUDA's fused kernels read a float mask in q's dtype
+        if kernel != "efficient":  # cuDNN (and MPS) are not known to zero a row with every key masked
+            mask, dead = _reopen_dead_rows(mask)
+    # SDPA asks the same question and gets the same answer: the kernel reported is the kernel run
+    sdpa = _autocast_off(F.scaled_dot_product_attention) if keep_bias else F.scaled_dot_product_attention
+    out = sdpa(q, k, v, mask, dropout_p, causal, scale=scale)
     return out if dead is None else out.masked_fill(dead, 0.0)
+
+
+def _sdpa_mask(q, k, attn_mask, is_causal, window_size):
+    """SDPA's (attn_mask, is_causal) for our conventions: pure causality stays a flag."""
+    if attn_mask is None and window_size is None:
+        return None, is_causal
+    whole = slice(0, q.size(-2)), slice(0, k.size(-2))
+    return mask_block(attn_mask, *whole, is_causal=is_causal, window_size=window_size, device=q.device), False
+
+
+def _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale):
+    """The SDPA kernel these inputs get: 'flash', 'efficient', 'cudnn', 'math', or 'unknown' where torch
+    cannot tell (a device other than CPU and CUDA, or no torch._fused_sdp_choice)."""
+    # torch._fused_sdp_choice is the function SDPA itself consults, and it honours an enclosing
+    # sdpa_kernel(...) restriction; it is private, so ask whether it is there
+    if q.device.type not in ("cpu", "cuda") or not hasattr(torch, "_fused_sdp_choice"):
+        return "unknown"
+    try:
+        choice = torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale)
+    except RuntimeError as e:  # every enabled kernel refuses these inputs
+        raise RuntimeError(f"no enabled SDPA kernel can run these inputs: {str(e).splitlines()[0]}") from e
+    if choice not in _KERNEL_NAMES:
+        raise RuntimeError(f"no enabled SDPA kernel can run these inputs (SDPA chose {SDPBackend(choice)})")
+    return _KERNEL_NAMES[choice]
+
+
+def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, window_size=None):
+    """Which SDPA kernel flash_attention would run for these inputs: 'flash', 'efficient', 'cudnn',
+    'math', or 'unknown' where torch cannot tell (MPS, XPU, a torch without the kernel query)."""
+    attn_mask, scale = _check_attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
+    mask, causal = _sdpa_mask(q, k, attn_mask, is_causal, window_size)
+    return _chosen_kernel(q, k, v, mask, dropout_p, causal, scale)
 
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, impl="flash",
               window_size=None, chunk_size=None):
-    """Scaled dot-product attention through one of IMPLS; (B, H, Lq, D) x 2, (B, H, Lk, Dv) -> (B, H, Lq, Dv)."""
+    """Scaled dot-product attention through one of IMPLS: (B, H, Lq, D) x 2, (B, H, Lk, Dv) -> (B, H, Lq, Dv)."""
     if impl == "naive":
         return naive_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size=window_size)[0]
     if impl == "chunked":
-        return chunked_attention(q, k, v, attn_mask, dropout_p, is_causal, scale,
-                                 window_size=window_size, chunk_size=chunk_size)
+        return chunked_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size=window_size,
+                                 chunk_size=chunk_size)
     if impl == "flash":
         return flash_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size=window_size)
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -578,15 +487,6 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
 
 # -----------------------------------------------------------------------------
 # Multi-head attention
-
-
-def _check_batch_first(attn, torch_name, our_name):
-    """from_torch converts weights, not layouts: a (T, B, C) module would silently disagree with ours."""
-    if not attn.batch_first:
-        raise ValueError(f"from_torch needs batch_first=True: this {torch_name} has batch_first=False and takes "
-                         f"(T, B, C), while {our_name} takes (B, T, C), so the same tensor would give different "
-                         "outputs. Build it with batch_first=True (its weights do not depend on the flag), or "
-                         "transpose your inputs and set batch_first = True on it before converting.")
 
 
 class MultiHeadAttention(nn.Module):
@@ -654,11 +554,6 @@ class MultiHeadAttention(nn.Module):
 
 # -----------------------------------------------------------------------------
 # Positional encodings
-
-
-def _check_length(T, max_len):
-    if T > max_len:
-        raise ValueError(f"sequence length {T} exceeds max_len={max_len}")
 
 
 class SinusoidalPositionalEncoding(nn.Module):
@@ -922,11 +817,11 @@ def reverse_batch(B, min_len, max_len, vocab_size, gen):
     L varies per sequence, so output i must read input L - 1 - i, a position that
     depends on the sequence's own length: impossible without attention across
     positions, and the padding mask matters (a padded key would shift the answer).
-    Returns x, y (B, max_len) and the lengths (B,).
+    Returns x, y (B, max_len) and the lengths (B,), made on the generator's device.
     """
-    lengths = torch.randint(min_len, max_len + 1, (B,), generator=gen)
-    x = torch.randint(1, vocab_size, (B, max_len), generator=gen)
-    pos = torch.arange(max_len)
+    lengths = torch.randint(min_len, max_len + 1, (B,), generator=gen, device=gen.device)
+    x = torch.randint(1, vocab_size, (B, max_len), generator=gen, device=gen.device)
+    pos = torch.arange(max_len, device=gen.device)
     src = (lengths[:, None] - 1 - pos[None, :]).clamp(min=0)  # (B, T): input position output i reads
     y = torch.gather(x, 1, src)
     real = pos[None, :] < lengths[:, None]  # (B, T)
@@ -1073,11 +968,21 @@ def check_resume(cfg, state, world):
 
 
 def save_checkpoint(path, state):
-    """Write atomically: a temporary file, then a rename, so a crash never leaves half a checkpoint."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    """Write atomically: a temporary file flushed to disk, then a rename, itself flushed to disk (the
+    folder's entry), so that neither a crash of the process nor a power cut leaves half a checkpoint."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
     tmp = f"{path}.tmp"
-    torch.save(state, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_checkpoint(path):
@@ -1216,8 +1121,7 @@ def _train(cfg, device, rank, world, say):
         ddp = torch.compile(ddp)
 
     held_out = reverse_batch(cfg.eval_size, cfg.min_len, cfg.max_len, mcfg.vocab_size,
-                             torch.Generator().manual_seed(2**40 + cfg.seed))  # a stream training never draws from
-    held_out = tuple(t.to(device) for t in held_out)
+                             torch.Generator(device).manual_seed(2**40 + cfg.seed))  # a stream training never draws
     say(f"model: {model.encoder.num_params():,} parameters in the encoder; {mcfg}")
     say(f"training on {device} x {world} process(es), amp={cfg.amp}, impl={mcfg.impl}, compile={cfg.compile_model}, "
         f"steps {start}..{cfg.steps}")
@@ -1247,9 +1151,9 @@ def _train(cfg, device, rank, world, say):
     bad = torch.zeros(2, device=device)  # its loss and gradient norm
     for step in range(start, last):
         # the batch is a function of (seed, rank, step) alone: resuming needs no data-loader state
-        gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 1009 + rank)
-        x, y, lengths = (t.to(device) for t in reverse_batch(cfg.batch_size, cfg.min_len, cfg.max_len,
-                                                              mcfg.vocab_size, gen))
+        # and it is made on the device: no host-to-device copy per step
+        gen = torch.Generator(device).manual_seed((cfg.seed * 1_000_003 + step) * 1009 + rank)
+        x, y, lengths = reverse_batch(cfg.batch_size, cfg.min_len, cfg.max_len, mcfg.vocab_size, gen)
         with amp_ctx():
             logits = ddp(x, padding_mask(lengths, x.size(1)))
             # (B*T, vocab) against (B*T,); the loss in float32 even under autocast
@@ -1285,6 +1189,7 @@ def _train(cfg, device, rank, world, say):
                 + (f" | skipped {n_skipped}" if n_skipped else ""))
             t_log = now
             tokens.zero_()
+        t_pause = time.time()  # evaluation and checkpoints are not training: tokens/s leaves them out
         if evaluating and rank == 0:
             metrics = evaluate(model, held_out, amp_ctx)
             if reached is None and metrics["accuracy"] >= 0.99:
@@ -1292,6 +1197,7 @@ def _train(cfg, device, rank, world, say):
                 say(f"held-out accuracy {metrics['accuracy']:.4f} >= 0.99 at step {done}, {reached[1]:.1f} s")
         if saving:
             checkpoint(done)
+        t_log += time.time() - t_pause
     seconds = time.time() - t_start
     result = {"step": last, "loss": loss_value, "skipped_steps": skipped.item(), "seconds": seconds,
               "steps_to_99": reached[0] if reached else None, "seconds_to_99": reached[1] if reached else None}
@@ -1343,6 +1249,90 @@ def parse_args(argv=None):
         return TrainConfig(**vars(args))
     except ValueError as e:
         p.error(str(e))
+
+
+# -----------------------------------------------------------------------------
+# Input checks: a clear error that names the problem, kept out of the algorithms' way
+
+
+def _check_attention_args(q, k, v, attn_mask, dropout_p, scale, window_size):
+    """Validate the arguments every path takes; returns (attn_mask ready for mask_block, scale)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
+    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"q, k, v must share (B, H), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.size(-1) != k.size(-1):
+        raise ValueError(f"q and k must share the head dim, got {tuple(q.shape)} and {tuple(k.shape)}")
+    if k.size(-2) != v.size(-2):
+        raise ValueError(f"k and v must share the key length, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise TypeError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
+    _check_window(window_size)
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
+    return _check_mask(attn_mask, q, k), scale
+
+
+def _check_mask(attn_mask, q, k):
+    """attn_mask as it is (bool or float, on q's device, broadcasting to (B, H, Lq, Lk)), or a clear error."""
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+        raise TypeError(f"attn_mask must be bool (True = may attend) or floating (added to the scores), got "
+                        f"{attn_mask.dtype}; for a 0/1 integer mask pass mask.bool() (1 = may attend), for "
+                        "nn.MultiheadAttention's convention (1 = ignore) pass ~mask.bool()")
+    if attn_mask.device != q.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device} and q on {q.device}: move the mask once, where it is "
+                         "made (a copy in every call would make the host wait for the device)")
+    target = (q.size(0), q.size(1), q.size(2), k.size(2))
+    if attn_mask.dim() > 4 or any(m not in (1, t) for m, t in zip(reversed(attn_mask.shape), reversed(target))):
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, Lq, Lk) = {target}")
+    if attn_mask.dim() < 2:  # (Lk,) or (): one row for every query, as broadcasting reads it
+        attn_mask = attn_mask.expand(1, k.size(2))
+    return attn_mask
+
+
+def _check_window(window_size):
+    if window_size is not None and (not isinstance(window_size, int) or window_size < 0):
+        raise ValueError(f"window_size must be a non-negative int or None, got {window_size!r}")
+
+
+def _chunks(chunk_size):
+    cq, ck = (chunk_size, chunk_size) if isinstance(chunk_size, int) else chunk_size
+    if cq < 1 or ck < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size!r}")
+    return cq, ck
+
+
+def _check_range(t, lo, hi, name):
+    """Raise unless lo <= t < hi everywhere, without a host-device sync: on a CPU the values are read
+    (tolist: no device to wait for) and named; elsewhere, and under torch.compile, a device-side assert."""
+    if t.numel() == 0:
+        return
+    if t.device.type == "cpu" and not torch.compiler.is_compiling():
+        t_min, t_max = (x.tolist() for x in torch.aminmax(t))
+        if t_min < lo or t_max >= hi:
+            raise ValueError(f"{name} must lie in [{lo}, {hi}), got min {t_min} max {t_max}")
+    else:
+        torch._assert_async(((t >= lo) & (t < hi)).all(), f"{name} must lie in [{lo}, {hi})")
+
+
+def _check_batch_first(attn, torch_name, our_name):
+    """from_torch converts weights, not layouts: a (T, B, C) module would silently disagree with ours."""
+    if not attn.batch_first:
+        raise ValueError(f"from_torch needs batch_first=True: this {torch_name} has batch_first=False and takes "
+                         f"(T, B, C), while {our_name} takes (B, T, C), so the same tensor would give different "
+                         "outputs. Build it with batch_first=True (its weights do not depend on the flag), or "
+                         "transpose your inputs and set batch_first = True on it before converting.")
+
+
+def _check_length(T, max_len):
+    if T > max_len:
+        raise ValueError(f"sequence length {T} exceeds max_len={max_len}")
 
 
 if __name__ == "__main__":

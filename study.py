@@ -19,7 +19,8 @@ one at a time), forward and forward+backward:
   reset through /proc/self/clear_refs) of a separate worker process minus its
   resident size just before the call; for that call malloc returns every freed
   block over 128 KiB to the OS at once, so memory left over from earlier calls
-  cannot hide the call's own; the timed calls run with malloc's usual caching;
+  cannot hide the call's own; the timed calls run with malloc caching blocks up to
+  32 MiB (fixed thresholds: see _CpuPeak);
 - achieved TFLOP/s with FlashAttention's convention (4 * B * H * n^2 * D for a
   forward pass, halved for causal, x3.5 for forward+backward), and that as a
   percentage of the matrix-multiply rate measured on the same device in the same run.
@@ -74,7 +75,8 @@ def attention_flops(B, H, n, D, causal=False, window=None, mode="fwd"):
 
     Forward: two matmuls of 2 * n * n * D each per head: 4 * B * H * n^2 * D; causal
     halves it; forward+backward is 3.5x forward (backward = 2.5x forward: five
-    matmuls instead of two). With a window, only the (i, j) pairs inside it count.
+    matmuls instead of two). With a window, only the (i, j) pairs inside it count:
+    pass window=None for a kernel that computes every pair and masks the rest.
     """
     if window is None:
         pairs = n * n / (2 if causal else 1)
@@ -85,6 +87,16 @@ def attention_flops(B, H, n, D, causal=False, window=None, mode="fwd"):
         pairs = float((1 + before + (0 if causal else after)).sum())
     flops = 4 * B * H * pairs * D
     return flops * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+def computed_flops(point):
+    """FLOPs of the pairs a series computes: chunked skips what causality and a window hide,
+    the fused kernels skip causal pairs only when causality reaches them as a flag, and naive,
+    like SDPA given a window (only as an (n, n) mask), computes every pair and masks the rest."""
+    p = point
+    dense = p["path"] == "naive" or (p["path"] != "chunked" and p["window"] is not None)
+    return attention_flops(p["B"], p["H"], p["n"], p["D"], p["causal"] and not dense,
+                           None if dense else p["window"], p["mode"])
 
 
 def fit_exponent(ns, ys, last=3):
@@ -210,8 +222,10 @@ class _CpuPeak:
 
     Inside the block, blocks over 128 KiB are mmapped and unmapped when freed, and
     free heap memory is returned first (malloc_trim), so every byte the call needs
-    shows up as new resident memory; afterwards malloc's defaults come back, as the
-    timed calls must run with them.
+    shows up as new resident memory. Afterwards the thresholds are set to the largest
+    values glibc's dynamic thresholds reach (mmap 32 MiB, trim 64 MiB): setting them
+    switches that dynamic adjustment off, so the timed calls run with malloc caching
+    every block below 32 MiB, as a long-running glibc process ends up doing.
     """
 
     def __enter__(self):
@@ -227,7 +241,7 @@ class _CpuPeak:
 
     def __exit__(self, *exc):
         self.mib = (_proc_kib("VmHWM") - self.base) / 1024
-        if self.libc:  # glibc's defaults: 32 MiB is where its dynamic mmap threshold stops growing
+        if self.libc:  # where glibc's dynamic thresholds stop growing (they are fixed from now on)
             self.libc.mallopt(M_MMAP_THRESHOLD, 32 * MIB)
             self.libc.mallopt(M_TRIM_THRESHOLD, 64 * MIB)
 
@@ -623,7 +637,7 @@ def sweep(points, runner, log, done, ceiling, say=print):
         else:
             try:
                 r = runner(p)
-                flops = attention_flops(p["B"], p["H"], p["n"], p["D"], p["causal"], p["window"], p["mode"])
+                flops = computed_flops(p)
                 tflops = flops / (r["ms"] / 1e3) / 1e12
                 row = {**base, "kernel": r["kernel"], "ms": f"{r['ms']:.3f}", "peak_mib": f"{r['peak_mib']:.1f}",
                        "rss_mib": "" if r.get("rss_mib") is None else f"{r['rss_mib']:.1f}",

@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -79,9 +80,9 @@ def make_mask(kind, B, H, Lq, Lk, seed=0):
         keep = torch.rand(B, 1, Lq, Lk, generator=g) > 0.3
         keep[:, :, 0] = False  # one fully masked row in every batch
         return keep, None, {"attn_mask": keep}
-    if kind == "int":
+    if kind == "broadcast":  # (B, H, Lq, Lk) in full, no dim broadcast
         keep = torch.rand(B, H, Lq, Lk, generator=g) > 0.5
-        return keep, None, {"attn_mask": keep.to(torch.int64)}
+        return keep, None, {"attn_mask": keep}
     if kind == "float":
         bias = torch.randn(Lq, Lk, generator=g, dtype=torch.float64)
         bias[torch.rand(Lq, Lk, generator=g) > 0.7] = -math.inf
@@ -94,14 +95,14 @@ def make_mask(kind, B, H, Lq, Lk, seed=0):
 
 
 SHAPES = [(1, 1), (37, 37), (97, 97), (37, 97), (97, 37)]
-MASKS = ["none", "bool", "int", "float", "causal", "causal+pad"]
+MASKS = ["none", "bool", "broadcast", "float", "causal", "causal+pad"]
 
 
 @pytest.mark.parametrize("impl", mt.IMPLS)
 @pytest.mark.parametrize("Lq,Lk", SHAPES)
 @pytest.mark.parametrize("mask_kind", MASKS)
 def test_paths_match_sdpa_float64(impl, Lq, Lk, mask_kind):
-    q, k, v = make_qkv(2, 3, Lq, Lk, 16, Dv=24 if impl != "flash" else 16)
+    q, k, v = make_qkv(2, 3, Lq, Lk, 16, Dv=24)  # flash: SDPA's math kernel takes float64 and Dv != D
     keep, bias, kw = make_mask(mask_kind, 2, 3, Lq, Lk)
     q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
     q2, k2, v2 = (t.clone().requires_grad_() for t in (q, k, v))
@@ -212,6 +213,55 @@ def test_hugging_face_min_masks_mean_what_sdpa_means(impl, dtype, tol):
             torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_float32_min_rows_give_sdpas_result_in_every_dtype(impl, dtype):
+    # the Hugging Face convention with a float32 mask, whatever q's dtype: a row with every key at
+    # finfo(float32).min is the average of v, as SDPA gives, never a zero row
+    q, k, v = make_qkv(2, 2, 12, 10, 16)
+    keep = torch.rand(2, 1, 12, 10, generator=torch.Generator().manual_seed(5)) > 0.4
+    keep[:, :, 3] = False
+    bias = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    low = [t.to(dtype) for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.MATH):
+        want = F.scaled_dot_product_attention(*low, attn_mask=bias)
+    got = run_path(impl, *low, attn_mask=bias)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    torch.testing.assert_close(got[:, :, 3], low[2].mean(-2), atol=2e-2, rtol=0)  # not a zero row
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2 if dtype != torch.float32 else 1e-5, rtol=0)
+
+
+def standard_attention(q, k, v, bias):
+    """Attention as people write it, in q's dtype: a float32 bias promotes the scores to float32 (ordinary
+    type promotion), the weights return to v's dtype for the product (FlashAttention's attention_ref, upcast=False)."""
+    scores = (q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5 + bias
+    return scores.softmax(-1).to(v.dtype) @ v
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_float32_bias_keeps_its_precision(impl, dtype, autocast):
+    # a learned float32 bias (T5, ALiBi) with 16-bit q, k, v, also under autocast in the same dtype (as in a
+    # model): FlashAttention's rule, output and every gradient (the bias's too) at most 2x the error of standard
+    # attention in the input dtype, against float64. The forward runs under autocast, the backward outside.
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 2, 256, 32, generator=g, dtype=torch.float64) for _ in range(4))
+    bias = torch.randn(1, 2, 256, 256, generator=g, dtype=torch.float64) * 4
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = grads_of(lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b), q, k, v, dout, bias)
+    low = [t.to(dtype) for t in (q, k, v, dout)]
+    std = grads_of(standard_attention, *low, bias.float())
+    leaves = [t.detach().clone().requires_grad_() for t in low[:3] + [bias.float()]]
+    with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+        out = run_path(impl, *leaves[:3], attn_mask=leaves[3])
+    ours = [out.detach()] + list(torch.autograd.grad(out, leaves, low[3]))
+    assert ours[-1].dtype == torch.float32
+    for name, x, s, r in zip(("out", "dq", "dk", "dv", "dbias"), ours, std, ref):
+        err, std_err = (x.double() - r).abs().max().item(), (s.double() - r).abs().max().item()
+        assert err <= 2 * std_err, f"{name}: error {err:.3g} > 2 x standard attention's {std_err:.3g}"
+
+
 @pytest.mark.parametrize("impl", ["naive", "chunked"])
 def test_autocast_does_not_lower_the_computation(impl):
     # under torch.autocast the products inside a path must stay in float32; the backward runs outside
@@ -313,6 +363,34 @@ def test_chunked_dropout_backward_uses_forward_mask():
         torch.manual_seed(123)
         return mt.chunked_attention(q, k, v, dropout_p=0.3, chunk_size=(4, 3))
     assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_chunked_dropout_mask_does_not_depend_on_the_block_size():
+    q, k, v = make_qkv(1, 2, 37, 29, 8)
+    outs = []
+    for chunk_size in ((16, 16), (5, 7), (64, 64)):
+        torch.manual_seed(3)
+        outs.append(mt.chunked_attention(q, k, v, dropout_p=0.4, chunk_size=chunk_size))
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], atol=1e-12, rtol=1e-12)
+
+
+def test_dropout_hash_matches_an_int64_reference():
+    # the keep-mask is computed in int32, whose products wrap mod 2^32; the same hash in int64 with the
+    # wrap written out must give the same bits, whatever the platform's int32 arithmetic
+    def mix64(x):
+        for _ in range(2):
+            x = ((x ^ (x >> 15)) * mt._HASH) % 2**32 % 2**31
+        return x
+    g = torch.Generator().manual_seed(0)
+    row_key = torch.randint(0, 2**31, (2, 3, 40, 1), generator=g, dtype=torch.int64)
+    col_key = torch.randint(0, 2**31, (50,), generator=g, dtype=torch.int64)
+    for p in (0.1, 0.5, 0.9):
+        bits = mt._keep_bits(row_key.int(), col_key.int(), p)
+        want = mix64(row_key ^ col_key) >= round(p * 2**31)
+        assert torch.equal(bits, torch.where(want, -1, 0).int())
+        t = torch.randn(2, 3, 40, 50)
+        torch.testing.assert_close(mt._drop(t.clone(), bits), t * want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("impl", ["naive", "chunked"])
@@ -558,8 +636,13 @@ def test_bad_inputs_raise_clear_errors():
     for impl in mt.IMPLS:
         with pytest.raises(ValueError, match=r"attn_mask of shape \(3, 8\) does not broadcast to .* \(1, 2, 8, 8\)"):
             mt.attention(q, k, v, attn_mask=torch.ones(3, 8, dtype=torch.bool), impl=impl)
-        with pytest.raises(TypeError, match="attn_mask must be bool, integer or floating"):
+        with pytest.raises(TypeError, match="attn_mask must be bool .* or floating .* got torch.complex64"):
             mt.attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.complex64), impl=impl)
+        for dtype in (torch.int64, torch.uint8):  # SDPA refuses them; nn.MultiheadAttention's uint8 meant "ignore"
+            with pytest.raises(TypeError, match=f"attn_mask must be bool .* or floating .* got {dtype}"):
+                mt.attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=dtype), impl=impl)
+        with pytest.raises(ValueError, match="attn_mask is on meta and q on cpu"):  # never a silent copy
+            mt.attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool, device="meta"), impl=impl)
     with pytest.raises(ValueError, match="dropout_p must lie in"):
         mt.attention(q, k, v, dropout_p=1.0)
     with pytest.raises(ValueError, match="window_size"):
@@ -806,6 +889,10 @@ def test_attention_flops_follow_flashattention_convention():
     local_causal = sum(1 for i in range(n) for j in range(n) if 0 <= i - j <= w)
     assert study.attention_flops(1, 1, n, 1, window=w) == 4 * local
     assert study.attention_flops(1, 1, n, 1, causal=True, window=w) == 4 * local_causal
+    point = {"B": 1, "H": 1, "n": n, "D": 1, "causal": True, "window": w, "mode": "fwd"}  # what each path computes
+    assert study.computed_flops({**point, "path": "chunked"}) == 4 * local_causal
+    assert study.computed_flops({**point, "path": "flash"}) == study.computed_flops({**point, "path": "naive"}) == 4 * n * n
+    assert study.computed_flops({**point, "path": "flash", "window": None}) == 4 * n * n / 2  # is_causal as a flag
 
 
 def test_growth_exponent_removes_the_constant():
@@ -1210,6 +1297,30 @@ def test_non_finite_loss_stops_with_the_step_and_no_checkpoint(tmp_path, monkeyp
         mt.train(mt.TrainConfig(**{**SMALL, "steps": 10, "out": str(ckpt), "save_every": 2}), log=quiet)
     state = mt.load_checkpoint(str(ckpt))  # the step-2 checkpoint is intact and is the last one written
     assert state["step"] == 2 and not (tmp_path / "ck.pt.tmp").exists()
+
+
+def test_tokens_per_second_leaves_evaluation_out(monkeypatch):
+    # an evaluation that takes 1 s: counted in, the second interval's rate would fall below its tokens / 1 s
+    evaluate = mt.evaluate
+
+    def slow(*args):
+        time.sleep(1.0)
+        return evaluate(*args)
+    monkeypatch.setattr(mt, "evaluate", slow)
+    lines = []
+    mt.train(mt.TrainConfig(**{**SMALL, "steps": 20, "log_every": 10, "eval_every": 10}), log=lines.append)
+    rates = [float(line.split(" tok/s")[0].split("| ")[-1].replace(",", "")) for line in lines if "tok/s" in line]
+    assert len(rates) == 2 and rates[1] > 10 * SMALL["batch_size"] * SMALL["max_len"] / 1.0
+
+
+def test_checkpoint_is_flushed_to_disk_with_its_folder(tmp_path, monkeypatch):
+    synced = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or fsync(fd))
+    path = tmp_path / "ck.pt"
+    mt.save_checkpoint(str(path), {"step": torch.tensor(3)})
+    assert synced == [str(path) + ".tmp", str(tmp_path)]  # the file before the rename, its folder after
+    assert torch.load(path, weights_only=True)["step"] == 3 and not (tmp_path / "ck.pt.tmp").exists()
 
 
 @pytest.mark.parametrize("argv", [["--steps", "0"], ["--amp", "fp8"], ["--impl", "fast"], ["--lr", "abc"]])
