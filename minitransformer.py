@@ -10,7 +10,8 @@ References:
 2) Rabe & Staats 2021, "Self-attention Does Not Need O(n^2) Memory": https://arxiv.org/abs/2112.05682
 3) Dao et al. 2022, "FlashAttention": https://arxiv.org/abs/2205.14135, and Dao 2023,
    "FlashAttention-2": https://arxiv.org/abs/2307.08691
-4) Xiong et al. 2020, "On Layer Normalization in the Transformer Architecture": https://arxiv.org/abs/2002.04745
+4) Xiong et al. 2020, "On Layer Normalization in the Transformer Architecture":
+   https://arxiv.org/abs/2002.04745
 5) Su et al. 2021, "RoFormer" (rotary positions): https://arxiv.org/abs/2104.09864
 6) Micikevicius et al. 2018, "Mixed Precision Training": https://arxiv.org/abs/1710.03740
 
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 IMPLS = ("naive", "chunked", "flash")
+POS_ENCODINGS = ("sinusoidal", "learned", "rope")
 
 # -----------------------------------------------------------------------------
 # Masks. mask_block gives the mask of any block of the score matrix: naive and flash ask
@@ -62,7 +64,7 @@ def padding_mask(lengths, max_len):
     """
     lengths = torch.as_tensor(lengths)
     if lengths.dim() != 1 or lengths.dtype.is_floating_point:
-        raise ValueError(f"lengths must be a 1-D integer tensor, got shape {tuple(lengths.shape)} {lengths.dtype}")
+        raise ValueError(f"lengths must be a 1-D integer tensor, got {tuple(lengths.shape)} {lengths.dtype}")
     _check_range(lengths, 0, max_len + 1, "lengths")
     keep = torch.arange(max_len, device=lengths.device) < lengths[:, None]  # (B, L)
     return keep[:, None, None, :]  # (B, 1, 1, L)
@@ -206,7 +208,8 @@ def _autocast_off(op):
 @_autocast_off
 def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                  seed: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
-                 window_size: Optional[int], cq: int, ck: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 window_size: Optional[int], cq: int, ck: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """out (B, H, Lq, Dv), and per query the row max m and log2(l), (B, H, Lq, 1) in base 2,
     float32 or wider; a query with every key masked gets m = +inf, so that its P is 0."""
     B, H, Lq, _ = q.shape
@@ -258,7 +261,8 @@ def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         m, log2l = row_max[:, :, rows], log2_sum[:, :, rows]  # (B, H, cq, 1)
         delta = (dout_i.to(acc) * out[:, :, rows].to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
         for cols in _key_blocks(rows, k.size(-2), ck, is_causal, window_size):
-            p = _scores(q, k, bias, rows, cols, scale, is_causal, window_size).sub_(m).sub_(log2l).exp2_()  # P_j
+            s = _scores(q, k, bias, rows, cols, scale, is_causal, window_size)
+            p = s.sub_(m).sub_(log2l).exp2_()  # P_j, the forward's probabilities
             dp = _matmul(dout_i, v[:, :, cols].transpose(-2, -1))  # (B, H, cq, ck)
             p_dropped = p
             if dropout_p > 0.0:  # the forward's mask; 1/(1-p) is applied to dV once, at the end
@@ -340,7 +344,8 @@ def _dropout_keys(seed, B, H, Lq, Lk):
     dev = seed.device
     rows = (torch.arange(B * H, dtype=torch.int32, device=dev).view(B, H, 1, 1) * Lq
             + torch.arange(Lq, dtype=torch.int32, device=dev)[:, None])  # (B, H, Lq, 1)
-    return _mix(_mix(rows.bitwise_and_(0x7FFFFFFF)) ^ seed), _mix(torch.arange(Lk, dtype=torch.int32, device=dev))
+    cols = torch.arange(Lk, dtype=torch.int32, device=dev)  # (Lk,)
+    return _mix(_mix(rows.bitwise_and_(0x7FFFFFFF)) ^ seed), _mix(cols)
 
 
 def _keep_bits(row_key, col_key, dropout_p):
@@ -369,8 +374,8 @@ def _(q, k, v, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck
 
 
 @_chunked_bwd.register_fake
-def _(dout, q, k, v, out, row_max, log2_sum, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck,
-      mask_grad):
+def _(dout, q, k, v, out, row_max, log2_sum, attn_mask, seed, *options_and_mask_grad):
+    mask_grad = options_and_mask_grad[-1]
     dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
@@ -420,7 +425,8 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         dtype = torch.get_autocast_dtype(q.device.type)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     # the compiler picks the kernel itself, and the query's Python int would break its graph
-    kernel = "unknown" if torch.compiler.is_compiling() else _chosen_kernel(q, k, v, mask, dropout_p, causal, scale)
+    compiling = torch.compiler.is_compiling()
+    kernel = "unknown" if compiling else _chosen_kernel(q, k, v, mask, dropout_p, causal, scale)
     if kernel == "math" and on_math != "allow":
         why = (f"no fused SDPA kernel accepts these inputs (device={q.device.type}, dtype={q.dtype}, "
                f"dropout_p={dropout_p}, mask={None if mask is None else mask.dtype}, head dim={q.size(-1)}); "
@@ -464,7 +470,8 @@ def _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale):
     return _KERNEL_NAMES[choice]
 
 
-def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, window_size=None):
+def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
+                     window_size=None):
     """Which SDPA kernel flash_attention would run for these inputs: 'flash', 'efficient', 'cudnn',
     'math', or 'unknown' where torch cannot tell (MPS, XPU, a torch without the kernel query)."""
     attn_mask, scale = _check_attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
@@ -474,7 +481,7 @@ def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, impl="flash",
               window_size=None, chunk_size=None):
-    """Scaled dot-product attention through one of IMPLS: (B, H, Lq, D) x 2, (B, H, Lk, Dv) -> (B, H, Lq, Dv)."""
+    """Attention through one of IMPLS: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv)"""
     if impl == "naive":
         return naive_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size=window_size)[0]
     if impl == "chunked":
@@ -537,7 +544,8 @@ class MultiHeadAttention(nn.Module):
     def from_torch(cls, m, impl="flash"):
         """An equivalent module (same outputs) from an nn.MultiheadAttention with q, k, v of one size."""
         if not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn:
-            raise ValueError("from_torch supports nn.MultiheadAttention without kdim/vdim, add_bias_kv, add_zero_attn")
+            raise ValueError("from_torch supports nn.MultiheadAttention without kdim/vdim, add_bias_kv and "
+                             "add_zero_attn")
         _check_batch_first(m, "nn.MultiheadAttention", cls.__name__)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the small-head warning is for models built by hand
@@ -557,7 +565,7 @@ class MultiHeadAttention(nn.Module):
 
 
 class SinusoidalPositionalEncoding(nn.Module):
-    """x + PE, with PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)).
+    """x + PE,  PE(pos, 2i) = sin(pos / 10000^(2i/d_model)),  PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)).
 
     x: (B, T, d_model), T <= max_len. Fixed, not learned; dropout after the sum as in the paper.
     """
@@ -670,13 +678,14 @@ class EncoderLayer(nn.Module):
         """An equivalent layer (same outputs) from an nn.TransformerEncoderLayer with relu or gelu."""
         act = getattr(layer, "activation_relu_or_gelu", 0)
         if act not in (1, 2):
-            raise ValueError("from_torch supports nn.TransformerEncoderLayer with activation 'relu' or 'gelu'")
+            raise ValueError("from_torch supports nn.TransformerEncoderLayer with 'relu' or 'gelu'")
         _check_batch_first(layer.self_attn, "nn.TransformerEncoderLayer", cls.__name__)
         sa = layer.self_attn
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            new = cls(sa.embed_dim, sa.num_heads, layer.linear1.out_features, layer.dropout.p, layer.norm_first,
-                      "relu" if act == 1 else "gelu", impl, layer.norm1.eps, bias=layer.linear1.bias is not None)
+            new = cls(sa.embed_dim, sa.num_heads, layer.linear1.out_features, layer.dropout.p,
+                      layer.norm_first, "relu" if act == 1 else "gelu", impl, layer.norm1.eps,
+                      bias=layer.linear1.bias is not None)
         new = new.to(layer.linear1.weight.device, layer.linear1.weight.dtype)
         new.self_attn = MultiHeadAttention.from_torch(sa, impl)
         for name in ("linear1", "linear2", "norm1", "norm2"):
@@ -713,12 +722,12 @@ class EncoderConfig:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
-        choices = {"activation": tuple(_ACTIVATIONS), "impl": IMPLS, "pos_encoding": ("sinusoidal", "learned", "rope")}
+        choices = {"activation": tuple(_ACTIVATIONS), "impl": IMPLS, "pos_encoding": POS_ENCODINGS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.pos_encoding == "rope" and (self.d_model // self.n_heads) % 2:
-            raise ValueError(f"rope needs an even head size, got d_model/n_heads = {self.d_model // self.n_heads}")
+            raise ValueError(f"rope needs an even head size, got {self.d_model} / {self.n_heads} heads")
         if self.chunk_size is not None:
             _chunks(self.chunk_size)
         _check_window(self.window_size)
@@ -769,7 +778,7 @@ class Encoder(nn.Module):
         """Checked token ids (B, T) -> PosEnc(Embed(idx) * sqrt(d_model)), (B, T, d_model)."""
         c = self.config
         if idx.dim() != 2 or idx.dtype.is_floating_point or idx.dtype == torch.bool:
-            raise ValueError(f"idx must be integer token ids of shape (B, T), got {tuple(idx.shape)} {idx.dtype}")
+            raise ValueError(f"idx must be integer token ids (B, T), got {tuple(idx.shape)} {idx.dtype}")
         _check_length(idx.size(1), c.max_len)
         _check_range(idx, 0, c.vocab_size, "token ids")
         return self.pos(self.embed(idx) * math.sqrt(c.d_model))
@@ -847,12 +856,12 @@ class TrainConfig:
     min_lr_ratio: float = _arg(0.1, "the cosine decays to this fraction of --lr")
     label_smoothing: float = _arg(0.1, "label smoothing of the cross-entropy (0.1 in the paper)")
     clip: float = _arg(1.0, "clip the gradient norm to this (after unscaling); 0 disables")
-    amp: str = _arg("off", "mixed precision: bf16 autocast (CPU or GPU), or fp16 autocast with a gradient scaler",
+    amp: str = _arg("off", "mixed precision: bf16 autocast, or fp16 autocast with a gradient scaler",
                     **_choices("off", "bf16", "fp16"))
     impl: str = _arg("flash", "attention path", **_choices(*IMPLS))
-    compile_model: bool = _arg(False, "torch.compile the model (off by default: on a 2-core CPU it did not pay "
-                                      "for its compile time; README, Training)", flag="compile")
-    pos_encoding: str = _arg("sinusoidal", "positional encoding", **_choices("sinusoidal", "learned", "rope"))
+    compile_model: bool = _arg(False, "torch.compile the model (on a 2-core CPU it did not pay for its "
+                                      "compile time; README, Training)", flag="compile")
+    pos_encoding: str = _arg("sinusoidal", "positional encoding", **_choices(*POS_ENCODINGS))
     d_model: int = _arg(64, "model width")
     n_heads: int = _arg(2, "attention heads")
     n_layers: int = _arg(2, "encoder layers")
@@ -867,10 +876,10 @@ class TrainConfig:
     seed: int = _arg(0, "seed of the model, the data and dropout")
     log_every: int = _arg(100, "steps between progress lines")
     eval_every: int = _arg(100, "steps between held-out evaluations")
-    out: str | None = _arg(None, "checkpoint path, written atomically every --save-every steps and at the end")
+    out: str | None = _arg(None, "checkpoint path, written every --save-every steps and at the end")
     save_every: int = _arg(500, "steps between checkpoints (with --out)")
     resume: str | None = _arg(None, "continue from this checkpoint")
-    stop_after: int | None = _arg(None, "stop after this step as if interrupted (the schedule still spans --steps)")
+    stop_after: int | None = _arg(None, "stop after this step, as if interrupted (the schedule: --steps)")
     heatmap: str | None = _arg("runs/attention.png",
                                "PNG of one held-out example's attention after training ('' for none)")
     heatmap_layer: int = _arg(-1, "layer of the heatmap (-1: the last)")
@@ -885,8 +894,9 @@ class TrainConfig:
         if self.vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2 (padding and one token), got {self.vocab_size}")
         if not (self.lr > 0 and 0 <= self.label_smoothing < 1 and self.clip >= 0 and self.warmup >= 0):
-            raise ValueError(f"need lr > 0, 0 <= label_smoothing < 1, clip >= 0, warmup >= 0; got lr={self.lr}, "
-                             f"label_smoothing={self.label_smoothing}, clip={self.clip}, warmup={self.warmup}")
+            raise ValueError("need lr > 0, 0 <= label_smoothing < 1, clip >= 0, warmup >= 0; got "
+                             f"lr={self.lr}, label_smoothing={self.label_smoothing}, clip={self.clip}, "
+                             f"warmup={self.warmup}")
         for name in ("amp", "impl", "pos_encoding"):
             allowed = TrainConfig.__dataclass_fields__[name].metadata["choices"]
             if getattr(self, name) not in allowed:
@@ -894,7 +904,8 @@ class TrainConfig:
 
     def model_config(self):
         return EncoderConfig(vocab_size=self.vocab_size, max_len=self.max_len, d_model=self.d_model,
-                             n_heads=self.n_heads, n_layers=self.n_layers, d_ff=self.d_ff, dropout=self.dropout,
+                             n_heads=self.n_heads, n_layers=self.n_layers, d_ff=self.d_ff,
+                             dropout=self.dropout,
                              norm_first=self.norm_first, impl=self.impl, pos_encoding=self.pos_encoding)
 
 
@@ -917,7 +928,7 @@ def make_optimizer(model, lr, weight_decay):
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-9, fused=fused)  # betas, eps of the paper
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-9, fused=fused)  # the paper's
 
 
 def optimizer_step(loss, model, optimizer, scaler, clip):
@@ -939,30 +950,31 @@ def optimizer_step(loss, model, optimizer, scaler, clip):
     scaler.update()
     # the scaler skips exactly when an unscaled gradient is inf or NaN, which makes their norm non-finite;
     # the converse fails only for finite gradients whose norm overflows (~1e19 each), which clipping zeroes
-    stepped = torch.isfinite(norm) if scaler.is_enabled() else torch.ones((), dtype=torch.bool, device=norm.device)
+    stepped = torch.isfinite(norm) if scaler.is_enabled() else norm.new_ones((), dtype=torch.bool)
     optimizer.zero_grad(set_to_none=True)
     return norm, stepped
 
 
-_CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "scheduler", "step", "rng", "model_config", "train_config",
-                    "world_size"}
+_CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "scheduler", "step", "rng", "model_config",
+                    "train_config", "world_size"}
 # options a resumed run may change: they decide where output goes and what is logged, not the run itself
-RESUME_FREE = {"resume", "out", "stop_after", "log_every", "eval_every", "save_every", "heatmap", "heatmap_layer",
-               "heatmap_head", "device", "compile_model"}
+RESUME_FREE = {"resume", "out", "stop_after", "log_every", "eval_every", "save_every", "heatmap",
+               "heatmap_layer", "heatmap_head", "device", "compile_model"}
 
 
 def check_resume(cfg, state, world):
-    """A resumed run continues the saved one: the same options (but RESUME_FREE) and processes, or a clear error."""
+    """A resumed run continues the saved one: the same options (but RESUME_FREE) and processes."""
     saved = {name: value for name, value in state["train_config"].items() if hasattr(cfg, name)}
     diff = [name for name in saved if name not in RESUME_FREE and saved[name] != getattr(cfg, name)]
     if diff:
         raise ValueError(f"--resume {cfg.resume}: the checkpoint's run had "
                          + ", ".join(f"{name}={saved[name]!r}" for name in diff) + "; this run asks for "
                          + ", ".join(f"{name}={getattr(cfg, name)!r}" for name in diff)
-                         + ". A resumed run continues the saved one (the schedule, data and optimizer depend on "
-                         "them): drop those options, or start a new run without --resume.")
+                         + ". A resumed run continues the saved one (the schedule, data and optimizer depend "
+                         "on them): drop those options, or start a new run without --resume.")
     if state["world_size"] != world:
-        raise ValueError(f"--resume {cfg.resume}: the checkpoint was written by {state['world_size']} process(es), "
+        raise ValueError(f"--resume {cfg.resume}: the checkpoint was written by {state['world_size']} "
+                         "process(es), "
                          f"this run has {world}; every rank's data stream and random state are in it: resume "
                          f"with {state['world_size']} (torchrun --nproc_per_node={state['world_size']})")
 
@@ -992,7 +1004,8 @@ def load_checkpoint(path):
     except FileNotFoundError:
         raise
     except Exception as e:  # truncated zip, garbage bytes, a pickle that wants to run code, ...
-        raise ValueError(f"cannot read checkpoint {path!r}: it is corrupt, truncated or not a torch checkpoint "
+        raise ValueError(f"cannot read checkpoint {path!r}: it is corrupt, truncated or not a torch "
+                         "checkpoint "
                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
     missing = _CHECKPOINT_KEYS - set(state) if isinstance(state, dict) else _CHECKPOINT_KEYS
     if missing:
@@ -1045,7 +1058,8 @@ def save_heatmap(model, data, cfg, path):
     ax.set_xlabel("key: input token")
     ax.set_ylabel("query: position -> target token")
     layer = range(cfg.n_layers)[cfg.heatmap_layer]
-    ax.set_title(f"reversal task, layer {layer}, head {cfg.heatmap_head} ({cfg.impl}, {cfg.pos_encoding})", fontsize=9)
+    ax.set_title(f"reversal task, layer {layer}, head {cfg.heatmap_head} ({cfg.impl}, {cfg.pos_encoding})",
+                 fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.046)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -1059,7 +1073,8 @@ def train(cfg, log=print):
     One process, or one of many under torchrun (DistributedDataParallel: each rank
     draws its own batches, gradients are averaged, rank 0 alone logs and saves).
     """
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if cfg.device == "auto" else cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {cfg.device}: no CUDA device is available here")
     if "LOCAL_RANK" in os.environ and device.type == "cuda":
@@ -1089,7 +1104,8 @@ def _train(cfg, device, rank, world, say):
             torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)
         scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
     except (RuntimeError, ValueError) as e:
-        raise RuntimeError(f"--amp {cfg.amp} is not supported on {device} by torch {torch.__version__}: {e}") from e
+        raise RuntimeError(f"--amp {cfg.amp} is not supported on {device} by torch {torch.__version__}: {e}"
+                           ) from e
 
     state = load_checkpoint(cfg.resume) if cfg.resume else None
     if state:
@@ -1116,15 +1132,16 @@ def _train(cfg, device, rank, world, say):
         torch.manual_seed(cfg.seed + 1 + rank)  # dropout differs per rank, as the data does
     ddp = model
     if world > 1:
-        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.index is not None
+                                                  else None)
     if cfg.compile_model:  # the training forward and backward; evaluation and checkpoints use `model` itself
         ddp = torch.compile(ddp)
 
     held_out = reverse_batch(cfg.eval_size, cfg.min_len, cfg.max_len, mcfg.vocab_size,
-                             torch.Generator(device).manual_seed(2**40 + cfg.seed))  # a stream training never draws
+                             torch.Generator(device).manual_seed(2**40 + cfg.seed))  # never drawn by training
     say(f"model: {model.encoder.num_params():,} parameters in the encoder; {mcfg}")
-    say(f"training on {device} x {world} process(es), amp={cfg.amp}, impl={mcfg.impl}, compile={cfg.compile_model}, "
-        f"steps {start}..{cfg.steps}")
+    say(f"training on {device} x {world} process(es), amp={cfg.amp}, impl={mcfg.impl}, "
+        f"compile={cfg.compile_model}, steps {start}..{cfg.steps}")
 
     def checkpoint(step):
         cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -1177,14 +1194,16 @@ def _train(cfg, device, rank, world, say):
             continue  # no host read on this step
         if bad_step.item():  # before any checkpoint: never save weights that a non-finite step updated
             bad_loss, bad_norm = bad.tolist()
-            raise FloatingPointError(f"loss is {bad_loss} (gradient norm {bad_norm}) at step {bad_step.item()}: "
+            raise FloatingPointError(f"loss is {bad_loss} (gradient norm {bad_norm}) at step "
+                                     f"{bad_step.item()}: "
                                      "stopping; no checkpoint is written from this state (lower --lr, or use "
                                      "--amp bf16/off)")
         loss_value = loss.item()
         if logging:
             acc = ((logits.argmax(-1) == y) & (y != PAD)).sum().item() / (y != PAD).sum().item()
             now, n_skipped = time.time(), skipped.item()
-            say(f"step {done:5d} | loss {loss_value:.4f} | acc {acc:.3f} | lr {scheduler.get_last_lr()[0]:.2e} | "
+            lr = scheduler.get_last_lr()[0]
+            say(f"step {done:5d} | loss {loss_value:.4f} | acc {acc:.3f} | lr {lr:.2e} | "
                 f"grad norm {norm.item():.3f} | {tokens.item() / (now - t_log):,.0f} tok/s"
                 + (f" | skipped {n_skipped}" if n_skipped else ""))
             t_log = now
@@ -1200,7 +1219,7 @@ def _train(cfg, device, rank, world, say):
         t_log += time.time() - t_pause
     seconds = time.time() - t_start
     result = {"step": last, "loss": loss_value, "skipped_steps": skipped.item(), "seconds": seconds,
-              "steps_to_99": reached[0] if reached else None, "seconds_to_99": reached[1] if reached else None}
+              "steps_to_99": reached and reached[0], "seconds_to_99": reached and reached[1]}
     if rank == 0:
         metrics = metrics or evaluate(model, held_out, amp_ctx)
         result.update(metrics)
@@ -1214,9 +1233,9 @@ def _train(cfg, device, rank, world, say):
         result["max_param_diff_across_ranks"] = max((g - gathered[0]).abs().max().item() for g in gathered)
         say(f"max parameter difference across {world} ranks: {result['max_param_diff_across_ranks']:.3g}")
     if rank == 0:
-        say(f"accuracy={result['accuracy']:.4f} (held-out tokens; {result['seq_accuracy']:.3f} of sequences exact; "
-            f"loss {loss_value:.4f}; {last} steps in {seconds:.1f} s; skipped steps {skipped.item()}; impl={mcfg.impl}, "
-            f"amp={cfg.amp})")
+        say(f"accuracy={result['accuracy']:.4f} (held-out tokens; {result['seq_accuracy']:.3f} of sequences "
+            f"exact; loss {loss_value:.4f}; {last} steps in {seconds:.1f} s; skipped steps {skipped.item()}; "
+            f"impl={mcfg.impl}, amp={cfg.amp})")
     return result
 
 
@@ -1237,7 +1256,7 @@ def parse_args(argv=None):
         p.add_argument(flag, dest=name, type=kind, default=f.default, choices=f.metadata.get("choices"),
                        help=f.metadata["help"] + " (default: %(default)s)")
     args = p.parse_args(argv)
-    if args.resume:  # the saved run's options are the defaults; one given here that differs is an error (train)
+    if args.resume:  # the saved run's options become the defaults; one given here that differs: an error
         try:
             saved = load_checkpoint(args.resume)["train_config"]
         except (OSError, ValueError) as e:
@@ -1261,7 +1280,8 @@ def _check_attention_args(q, k, v, attn_mask, dropout_p, scale, window_size):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
     if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"q, k, v must share (B, H), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(f"q, k, v must share (B, H), got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
     if q.size(-1) != k.size(-1):
         raise ValueError(f"q and k must share the head dim, got {tuple(q.shape)} and {tuple(k.shape)}")
     if k.size(-2) != v.size(-2):
@@ -1286,11 +1306,13 @@ def _check_mask(attn_mask, q, k):
                         f"{attn_mask.dtype}; for a 0/1 integer mask pass mask.bool() (1 = may attend), for "
                         "nn.MultiheadAttention's convention (1 = ignore) pass ~mask.bool()")
     if attn_mask.device != q.device:
-        raise ValueError(f"attn_mask is on {attn_mask.device} and q on {q.device}: move the mask once, where it is "
+        raise ValueError(f"attn_mask is on {attn_mask.device} and q on {q.device}: move the mask once, where "
+                         "it is "
                          "made (a copy in every call would make the host wait for the device)")
     target = (q.size(0), q.size(1), q.size(2), k.size(2))
-    if attn_mask.dim() > 4 or any(m not in (1, t) for m, t in zip(reversed(attn_mask.shape), reversed(target))):
-        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, Lq, Lk) = {target}")
+    shape = tuple(attn_mask.shape)
+    if len(shape) > 4 or any(m not in (1, t) for m, t in zip(reversed(shape), reversed(target))):
+        raise ValueError(f"attn_mask of shape {shape} does not broadcast to (B, H, Lq, Lk) = {target}")
     if attn_mask.dim() < 2:  # (Lk,) or (): one row for every query, as broadcasting reads it
         attn_mask = attn_mask.expand(1, k.size(2))
     return attn_mask
@@ -1324,10 +1346,10 @@ def _check_range(t, lo, hi, name):
 def _check_batch_first(attn, torch_name, our_name):
     """from_torch converts weights, not layouts: a (T, B, C) module would silently disagree with ours."""
     if not attn.batch_first:
-        raise ValueError(f"from_torch needs batch_first=True: this {torch_name} has batch_first=False and takes "
-                         f"(T, B, C), while {our_name} takes (B, T, C), so the same tensor would give different "
-                         "outputs. Build it with batch_first=True (its weights do not depend on the flag), or "
-                         "transpose your inputs and set batch_first = True on it before converting.")
+        raise ValueError(f"from_torch needs batch_first=True: this {torch_name} has batch_first=False and "
+                         f"takes (T, B, C), while {our_name} takes (B, T, C), so the same tensor would give "
+                         "different outputs. Build it with batch_first=True (its weights do not depend on "
+                         "the flag), or transpose your inputs and set batch_first = True before converting.")
 
 
 def _check_length(T, max_len):
