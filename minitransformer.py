@@ -56,13 +56,13 @@ def causal_mask(Lq, Lk=None, device=None):
     return torch.ones(Lq, Lk, dtype=torch.bool, device=device).tril()
 
 
-def padding_mask(lengths, max_len):
+def padding_mask(lengths, max_len, device=None):
     """Boolean (B, 1, 1, max_len) mask, True on the first lengths[b] keys of sequence b.
 
-    It broadcasts over heads and queries. nn.MultiheadAttention's key_padding_mask is its
-    negation: key_padding_mask = ~padding_mask(lengths, L)[:, 0, 0].
+    It broadcasts over heads and queries, on the device of lengths (or `device`).
+    nn.MultiheadAttention's key_padding_mask is its negation: ~padding_mask(lengths, L)[:, 0, 0].
     """
-    lengths = torch.as_tensor(lengths)
+    lengths = torch.as_tensor(lengths, device=device)
     if lengths.dim() != 1 or lengths.dtype.is_floating_point:
         raise ValueError(f"lengths must be a 1-D integer tensor, got {tuple(lengths.shape)} {lengths.dtype}")
     _check_range(lengths, 0, max_len + 1, "lengths")
@@ -109,6 +109,15 @@ def _apply_mask(scores, mask):
     if mask.dtype == torch.bool:
         return scores.masked_fill_(~mask, float("-inf"))
     return scores.add_(mask)
+
+
+def _finite_bias(bias, dtype, scale=1.0):
+    """bias * scale in dtype, a finite value kept finite: finfo(float32).min (the Hugging Face
+    "masked") would overflow to -inf in a narrower dtype, or times log2(e), and mask its key,
+    which only -inf does."""
+    finfo = torch.finfo(dtype)
+    wide = bias.to(torch.promote_types(bias.dtype, dtype)) * scale
+    return wide.clamp(finfo.min, finfo.max).to(dtype).masked_fill(torch.isneginf(bias), float("-inf"))
 
 
 def _reopen_dead_rows(mask):
@@ -316,12 +325,10 @@ def _key_blocks(rows, Lk, ck, is_causal, window_size):
 
 
 def _base2_bias(attn_mask, acc):
-    """A float mask times log2(e), in acc; bool masks and None pass through. A finite bias stays
-    finite (finfo.min * log2(e) would overflow to -inf and mask the key): only -inf masks."""
+    """A float mask times log2(e), in acc (float32 or wider); bool masks and None pass through."""
     if attn_mask is None or attn_mask.dtype == torch.bool:
         return attn_mask
-    bias = (attn_mask.to(acc) * LOG2E).clamp(min=torch.finfo(acc).min)
-    return bias.masked_fill(torch.isneginf(attn_mask), float("-inf"))
+    return _finite_bias(attn_mask, acc, LOG2E)
 
 
 _HASH = 0x2C1B3C6D  # odd: multiplying by it permutes the integers mod 2^31
@@ -419,11 +426,7 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     if on_math not in ("warn", "raise", "allow"):
         raise ValueError(f"on_math must be 'warn', 'raise' or 'allow', got {on_math!r}")
     attn_mask, scale = _check_attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
-    mask, causal = _sdpa_mask(q, k, attn_mask, is_causal, window_size)
-    keep_bias = mask is not None and mask.is_floating_point() and torch.is_autocast_enabled(q.device.type)
-    if keep_bias:  # autocast would round a float mask to 16 bits with q, k, v: cast those alone, as it would
-        dtype = torch.get_autocast_dtype(q.device.type)
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    q, k, v, mask, causal, sdpa = _sdpa_inputs(q, k, v, attn_mask, is_causal, window_size)
     # the compiler picks the kernel itself, and the query's Python int would break its graph
     compiling = torch.compiler.is_compiling()
     kernel = "unknown" if compiling else _chosen_kernel(q, k, v, mask, dropout_p, causal, scale)
@@ -436,22 +439,34 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         warnings.warn(why, stacklevel=2)
     dead = None
     if mask is not None and q.device.type != "cpu" and kernel != "math":  # CPU kernels need neither step
-        if mask.dtype not in (torch.bool, q.dtype):
-            mask = mask.to(q.dtype)  # CUDA's fused kernels read a float mask in q's dtype
-        if kernel != "efficient":  # cuDNN (and MPS) are not known to zero a row with every key masked
-            mask, dead = _reopen_dead_rows(mask)
-    # SDPA asks the same question and gets the same answer: the kernel reported is the kernel run
-    sdpa = _autocast_off(F.scaled_dot_product_attention) if keep_bias else F.scaled_dot_product_attention
-    out = sdpa(q, k, v, mask, dropout_p, causal, scale=scale)
+        if mask.is_floating_point():
+            mask = _finite_bias(mask, q.dtype)  # CUDA's fused kernels read a float mask in q's dtype
+        if kernel != "efficient" or torch.version.hip:  # only NVIDIA's efficient kernel is known to zero a
+            mask, dead = _reopen_dead_rows(mask)  # row with every key masked (cuDNN, ROCm, MPS: not)
+    out = sdpa(q, k, v, mask, dropout_p, causal, scale=scale)  # SDPA makes the choice reported above
     return out if dead is None else out.masked_fill(dead, 0.0)
 
 
-def _sdpa_mask(q, k, attn_mask, is_causal, window_size):
-    """SDPA's (attn_mask, is_causal) for our conventions: pure causality stays a flag."""
+def _sdpa_inputs(q, k, v, attn_mask, is_causal, window_size):
+    """(q, k, v, mask, is_causal, sdpa) as SDPA is to get them, so that the kernel asked about is the one run.
+
+    Pure causality stays a flag. A float mask comes in a dtype SDPA takes (q's or float32).
+    Under autocast, q, k, v are cast as autocast would cast them and SDPA runs with autocast
+    off: autocast would round a float mask to 16 bits too.
+    """
+    sdpa = F.scaled_dot_product_attention
+    if torch.is_autocast_enabled(q.device.type):
+        sdpa = _autocast_off(sdpa)
+        if q.dtype == torch.float32:  # the dtype autocast casts
+            dtype = torch.get_autocast_dtype(q.device.type)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if attn_mask is None and window_size is None:
-        return None, is_causal
+        return q, k, v, None, is_causal, sdpa
     whole = slice(0, q.size(-2)), slice(0, k.size(-2))
-    return mask_block(attn_mask, *whole, is_causal=is_causal, window_size=window_size, device=q.device), False
+    mask = mask_block(attn_mask, *whole, is_causal=is_causal, window_size=window_size, device=q.device)
+    if mask.is_floating_point() and mask.dtype not in (q.dtype, torch.float32):
+        mask = _finite_bias(mask, q.dtype if q.dtype.itemsize >= 4 else torch.float32)
+    return q, k, v, mask, False, sdpa
 
 
 def _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale):
@@ -475,7 +490,7 @@ def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
     """Which SDPA kernel flash_attention would run for these inputs: 'flash', 'efficient', 'cudnn',
     'math', or 'unknown' where torch cannot tell (MPS, XPU, a torch without the kernel query)."""
     attn_mask, scale = _check_attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
-    mask, causal = _sdpa_mask(q, k, attn_mask, is_causal, window_size)
+    q, k, v, mask, causal, _ = _sdpa_inputs(q, k, v, attn_mask, is_causal, window_size)
     return _chosen_kernel(q, k, v, mask, dropout_p, causal, scale)
 
 
@@ -990,11 +1005,12 @@ def save_checkpoint(path, state):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    if os.name == "posix":  # a folder's entry is flushed through a descriptor of the folder (POSIX only)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def load_checkpoint(path):

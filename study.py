@@ -549,19 +549,16 @@ class Series:
     chunk_size: int | tuple | None = None  # blocks of a chunked series (None: --chunk-size or the default)
 
 
-# The default CPU sweep, 256..16384 within about 2 minutes on 2 cores (times from
-# results/cpu/study.csv, each point = 5 calls: two memory readings and three timed):
+# The default CPU sweep, 256..16384 within about 2 minutes on 2 cores (results/cpu):
 # - naive runs until the 4 GiB budget stops it: at 8192 one (H, n, n) float32 score matrix
-#   is 2 GiB and the forward needs two at once, so both modes run out within seconds;
-# - chunked and flash stop at 8192, past naive's wall: their fwd+bwd takes 3.4-4.1 s a call
-#   there, and 16384 (4x that, quadratic time) would add about 190 s for the four curves;
-# - chunked-window256 has linear time (0.4 s a call at 8192), so it alone goes on to 16384
-#   (about 6 s) and shows a linear-memory path at twice naive's wall;
-# - chunked-causal stops at 4096, where its block-skipping speed-up is already measured;
+#   is 2 GiB and the forward needs two at once;
+# - chunked and flash stop at 8192, past naive's wall: 16384 would take four times as long
+#   again (quadratic time) for the four curves;
+# - chunked-window256 has linear time, so it alone goes on to 16384 and shows a linear-memory
+#   path at twice naive's wall;
+# - chunked-causal stops at 4096, where its block-skipping speed-up shows;
 # - flash-window256 stops at 4096: SDPA takes a window only as an (n, n) mask, whose memory
-#   grows as n^2 (measured 89 MiB above the inputs at 4096, forward, against 9 MiB without).
-# Estimate: 112 s (the previous default sweep up to 8192) + ~10 s (naive out of memory at
-# 8192) + ~6 s (window at 16384) = about 2 min 10 s.
+#   grows as n^2.
 CPU_DEFAULT_CAPS = {"chunked": 8192, "flash": 8192, "chunked-causal": 4096, "flash-window256": 4096}
 
 

@@ -80,7 +80,7 @@ def make_mask(kind, B, H, Lq, Lk, seed=0):
         keep = torch.rand(B, 1, Lq, Lk, generator=g) > 0.3
         keep[:, :, 0] = False  # one fully masked row in every batch
         return keep, None, {"attn_mask": keep}
-    if kind == "broadcast":  # (B, H, Lq, Lk) in full, no dim broadcast
+    if kind == "full":  # (B, H, Lq, Lk): no dimension broadcast
         keep = torch.rand(B, H, Lq, Lk, generator=g) > 0.5
         return keep, None, {"attn_mask": keep}
     if kind == "float":
@@ -95,7 +95,7 @@ def make_mask(kind, B, H, Lq, Lk, seed=0):
 
 
 SHAPES = [(1, 1), (37, 37), (97, 97), (37, 97), (97, 37)]
-MASKS = ["none", "bool", "broadcast", "float", "causal", "causal+pad"]
+MASKS = ["none", "bool", "full", "float", "causal", "causal+pad"]
 
 
 @pytest.mark.parametrize("impl", mt.IMPLS)
@@ -229,6 +229,34 @@ def test_float32_min_rows_give_sdpas_result_in_every_dtype(impl, dtype):
     assert got.dtype == dtype and torch.isfinite(got).all()
     torch.testing.assert_close(got[:, :, 3], low[2].mean(-2), atol=2e-2, rtol=0)  # not a zero row
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2 if dtype != torch.float32 else 1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("q_dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_float_masks_of_every_dtype_in_every_path(impl, q_dtype):
+    # SDPA itself takes a float mask only in q's dtype or float32: flash converts the others (a finite value
+    # kept finite), naive and chunked add it in float32 or wider; also float64 inputs under autocast
+    q, k, v = make_qkv(2, 2, 12, 10, 16)
+    tol = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 5e-2}[q_dtype]
+    for mask_dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+        bias = torch.randn(12, 10, generator=torch.Generator().manual_seed(1)).to(mask_dtype)
+        bias[3, :4] = -math.inf
+        want = reference(q, k, v, bias=bias.double())
+        for autocast in (False, True):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast and q_dtype == torch.float64):
+                got = run_path(impl, *(t.to(q_dtype) for t in (q, k, v)), attn_mask=bias)
+            assert got.dtype == q_dtype and torch.isfinite(got).all()
+            torch.testing.assert_close(got.double(), want, atol=max(tol, 2 * torch.finfo(mask_dtype).eps), rtol=0)
+
+
+def test_a_finite_bias_stays_finite_in_a_narrower_dtype():
+    bias = torch.tensor([0.0, -1e3, torch.finfo(torch.float32).min, -math.inf, 1e6])
+    for dtype in (torch.float16, torch.bfloat16):
+        got = mt._finite_bias(bias, dtype)
+        assert got.dtype == dtype and torch.isfinite(got[:3]).all() and torch.isneginf(got[3])
+        assert got[2] == torch.finfo(dtype).min and got[4] == min(1e6, torch.finfo(dtype).max)
+    base2 = mt._base2_bias(bias, torch.float32)  # times log2(e): finfo.min would overflow
+    assert torch.isfinite(base2[[0, 1, 2, 4]]).all() and torch.isneginf(base2[3])
 
 
 def standard_attention(q, k, v, bias):
@@ -375,9 +403,10 @@ def test_chunked_dropout_mask_does_not_depend_on_the_block_size():
         torch.testing.assert_close(out, outs[0], atol=1e-12, rtol=1e-12)
 
 
-def test_dropout_hash_matches_an_int64_reference():
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if CUDA else []))
+def test_dropout_hash_matches_an_int64_reference(device):
     # the keep-mask is computed in int32, whose products wrap mod 2^32; the same hash in int64 with the
-    # wrap written out must give the same bits, whatever the platform's int32 arithmetic
+    # wrap written out must give the same bits, whatever the device's int32 arithmetic
     def mix64(x):
         for _ in range(2):
             x = ((x ^ (x >> 15)) * mt._HASH) % 2**32 % 2**31
@@ -386,7 +415,7 @@ def test_dropout_hash_matches_an_int64_reference():
     row_key = torch.randint(0, 2**31, (2, 3, 40, 1), generator=g, dtype=torch.int64)
     col_key = torch.randint(0, 2**31, (50,), generator=g, dtype=torch.int64)
     for p in (0.1, 0.5, 0.9):
-        bits = mt._keep_bits(row_key.int(), col_key.int(), p)
+        bits = mt._keep_bits(row_key.int().to(device), col_key.int().to(device), p).cpu()
         want = mix64(row_key ^ col_key) >= round(p * 2**31)
         assert torch.equal(bits, torch.where(want, -1, 0).int())
         t = torch.randn(2, 3, 40, 50)
@@ -872,6 +901,27 @@ def test_cuda_bf16_matches_float64(impl):
 
 
 @needs_cuda
+@pytest.mark.parametrize("backend", [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH])
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_cuda_fully_masked_rows_with_each_kernel(backend, mask_kind):
+    # flash_attention keeps its dead-row guard only for kernels not known to zero such rows: each kernel,
+    # forced in turn, must give zero rows and finite gradients, and agree with float64 elsewhere
+    q, k, v = make_qkv(2, 2, 64, 64, 64)
+    keep, bias, kw = make_mask(mask_kind, 2, 2, 64, 64)
+    want = reference(q, k, v, keep, bias)
+    kw = {name: t.cuda() for name, t in kw.items()}
+    leaves = [t.cuda().bfloat16().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(backend):
+        try:
+            out = mt.flash_attention(*leaves, on_math="allow", **kw)
+        except RuntimeError as e:
+            pytest.skip(f"{backend} does not run here: {str(e).splitlines()[0]}")
+    out.float().sum().backward()
+    assert torch.isfinite(out).all() and all(torch.isfinite(t.grad).all() for t in leaves)
+    assert (out.double().cpu() - want).abs().max().item() <= 2 * lowp_error(q, k, v, keep, want, torch.bfloat16) + 1e-2
+
+
+@needs_cuda
 def test_cuda_flash_kernel_is_fused():
     q, k, v = make_qkv(2, 4, 256, 256, 64, dtype=torch.bfloat16, device="cuda")
     assert mt.sdpa_kernel_name(q, k, v, is_causal=True) in ("flash", "cudnn", "efficient")
@@ -1300,23 +1350,25 @@ def test_non_finite_loss_stops_with_the_step_and_no_checkpoint(tmp_path, monkeyp
 
 
 def test_tokens_per_second_leaves_evaluation_out(monkeypatch):
-    # an evaluation that takes 1 s: counted in, the second interval's rate would fall below its tokens / 1 s
-    evaluate = mt.evaluate
+    # a clock on which every evaluation takes 100 s: counted in, the second interval's rate would fall below
+    # its tokens / 100 s, at most 10 steps x batch x max_len / 100 s
+    evaluate, clock, offset = mt.evaluate, time.time, [0.0]
 
     def slow(*args):
-        time.sleep(1.0)
+        offset[0] += 100.0
         return evaluate(*args)
     monkeypatch.setattr(mt, "evaluate", slow)
+    monkeypatch.setattr(time, "time", lambda: clock() + offset[0])
     lines = []
     mt.train(mt.TrainConfig(**{**SMALL, "steps": 20, "log_every": 10, "eval_every": 10}), log=lines.append)
     rates = [float(line.split(" tok/s")[0].split("| ")[-1].replace(",", "")) for line in lines if "tok/s" in line]
-    assert len(rates) == 2 and rates[1] > 10 * SMALL["batch_size"] * SMALL["max_len"] / 1.0
+    assert len(rates) == 2 and rates[1] > 10 * SMALL["batch_size"] * SMALL["max_len"] / 100.0
 
 
 def test_checkpoint_is_flushed_to_disk_with_its_folder(tmp_path, monkeypatch):
     synced = []
     fsync = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or fsync(fd))
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or fsync(fd))  # Linux
     path = tmp_path / "ck.pt"
     mt.save_checkpoint(str(path), {"step": torch.tensor(3)})
     assert synced == [str(path) + ".tmp", str(tmp_path)]  # the file before the rename, its folder after
