@@ -23,8 +23,10 @@ The attention paths share the signature and conventions of F.scaled_dot_product_
 - is_causal: query i sees keys j <= i; with an attn_mask both apply (SDPA refuses the pair);
 - window_size=w: query i sees keys with |i - j| <= w (with is_causal: 0 <= i - j <= w);
 - a query whose keys are all masked gets a zero output and zero gradients, never NaN.
-Every module and path compiles with torch.compile(fullgraph=True) and reads no tensor value
-on the host in its forward or backward.
+In float16 and bfloat16 every path meets FlashAttention's rule: its error against float64 is at
+most twice that of standard attention computed in the inputs' dtype. Every module and path
+compiles with torch.compile(fullgraph=True) and reads no tensor value on the host in its
+forward or backward.
 """
 
 import argparse
@@ -102,13 +104,13 @@ def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, devi
 
 
 def _apply_mask(scores, mask):
-    """scores with a mask_block mask applied in place: -inf where a bool mask is False, the
-    bias of a float mask added. Never -1e9: it overflows float16."""
+    """scores with a mask_block mask applied: -inf where a bool mask is False (never -1e9: it
+    overflows float16), the bias of a float mask added, in place unless it promotes them."""
     if mask is None:
         return scores
     if mask.dtype == torch.bool:
         return scores.masked_fill_(~mask, float("-inf"))
-    return scores.add_(mask)
+    return scores.add_(mask) if mask.dtype == scores.dtype else scores + mask
 
 
 def _finite_bias(bias, dtype, scale=1.0):
@@ -139,7 +141,9 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     """Attention(Q, K, V) = softmax(Q K^T * scale + M) V,  scale = 1/sqrt(D) by default.
 
     Returns out (B, H, Lq, Dv) and the weights (B, H, Lq, Lk) it used, after dropout, so
-    that out == weights @ v. float16 and bfloat16 are computed in float32.
+    that out == weights @ v. Standard attention as it is written: computed in the inputs'
+    dtype (softmax accumulates in float32 inside), a float32 mask promoting the scores to
+    float32; autocast does not reach inside.
     """
     attn_mask, scale = _check_attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
     Lq, Lk = q.size(-2), k.size(-2)
@@ -148,15 +152,14 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     dead = None
     if mask is not None:
         mask, dead = _reopen_dead_rows(mask)
-    acc = torch.promote_types(q.dtype, torch.float32)
-    with torch.autocast(q.device.type, enabled=False):  # autocast would round the products to 16 bits
-        scores = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale  # (B, H, Lq, Lk)
-        weights = torch.softmax(_apply_mask(scores, mask), dim=-1)
+    with torch.autocast(q.device.type, enabled=False):  # the inputs' dtype decides, as for any function
+        scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Lq, Lk)
+        weights = torch.softmax(_apply_mask(scores, mask), dim=-1).to(v.dtype)
         if dead is not None:
             weights = weights.masked_fill(dead, 0.0)
         if dropout_p > 0.0:
             weights = F.dropout(weights, dropout_p)  # kept weights scaled by 1/(1-p): same expectation
-        return (weights @ v.to(acc)).to(v.dtype), weights.to(q.dtype)
+        return weights @ v, weights
 
 
 # -----------------------------------------------------------------------------
@@ -173,6 +176,11 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 # Backward (FlashAttention-2, Algorithm 2). Recompute P_j = exp(S_j - m - log(l)), then
 #     dV_j += P_j^T dO,   dP_j = dO V_j^T,   dS_j = P_j * (dP_j - rowsum(dO * O)),
 #     dQ += dS_j K_j * scale,   dK_j += dS_j^T Q * scale,   dM_j = dS_j (a float mask).
+#
+# Precision, FlashAttention-2's recipe: every product takes its operands in the inputs' dtype
+# and accumulates in float32 (tensor cores, on a GPU): S_j = Q K_j^T, P~_j V_j, dO V_j^T,
+# P~_j^T dO, dS~_j K_j, dS~_j^T Q, where P~ and dS~ are P and dS rounded to the inputs' dtype.
+# S, P, dS, m, l and the rescaling stay in float32; the scale multiplies S in float32.
 #
 # Dropout multiplies P_j by a keep-mask Z_j in the products with V and dO, and divides by
 # 1 - p. Z is a hash of (seed, b, h, i, j): the backward regenerates it without storing it.
@@ -242,7 +250,7 @@ def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
             l.mul_(alpha).add_(p.sum(-1, keepdim=True))  # the normaliser counts dropped weights too
             if dropout_p > 0.0:
                 _drop(p, _keep_bits(row_key[:, :, rows], col_key[cols], dropout_p))
-            o.mul_(alpha).add_(_matmul(p, v[:, :, cols]))
+            o.mul_(alpha).add_(_matmul(p.to(v.dtype), v[:, :, cols]))  # P rounded to the inputs' dtype
             m = m_new
         dead = l == 0  # every key masked
         out[:, :, rows] = (o / (l.masked_fill(dead, 1.0) * (1.0 - dropout_p))).to(q.dtype)
@@ -278,10 +286,11 @@ def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                 keep = _keep_bits(row_key[:, :, rows], col_key[cols], dropout_p)
                 p_dropped = _drop(p.clone(), keep)
                 _drop(dp, keep).mul_(1.0 / (1.0 - dropout_p))
-            dv[:, :, cols] += _matmul(p_dropped.transpose(-2, -1), dout_i)
+            dv[:, :, cols] += _matmul(p_dropped.to(q.dtype).transpose(-2, -1), dout_i)
             ds = p.mul_(dp.sub_(delta))  # dS_j = P_j * (dP_j - delta)
-            dq[:, :, rows] += _matmul(ds, k[:, :, cols])
-            dk[:, :, cols] += _matmul(ds.transpose(-2, -1), q[:, :, rows])
+            ds_low = ds.to(q.dtype)  # rounded to the inputs' dtype for the products, as P is
+            dq[:, :, rows] += _matmul(ds_low, k[:, :, cols])
+            dk[:, :, cols] += _matmul(ds_low.transpose(-2, -1), q[:, :, rows])
             if mask_grad:  # the mask is added to the scores: its gradient is dS, summed where it broadcasts
                 dm = dmask[..., rows if dmask.size(-2) != 1 else slice(None), :]
                 dm = dm[..., cols] if dmask.size(-1) != 1 else dm
@@ -292,12 +301,26 @@ def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask.to(attn_mask.dtype) if mask_grad else dmask
 
 
+_BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(a, b, out_dtype=...), CUDA
+
+
 def _matmul(a, b, alpha=1.0):
-    """alpha * (a @ b) for a (B, H, m, k) and b (B, H, k, n), in float32 or wider; float16
-    and bfloat16 operands are converted exactly to float32 first."""
-    acc = torch.promote_types(a.dtype, torch.float32)
-    a3, b3 = a.flatten(0, 1).to(acc), b.flatten(0, 1).to(acc)  # (B*H, m, k), (B*H, k, n)
-    out = torch.baddbmm(a3.new_empty(()), a3, b3, beta=0, alpha=alpha)  # alpha inside the product
+    """alpha * (a @ b) for a (B, H, m, k) and b (B, H, k, n), in float32 (float64 for float64).
+
+    The operands are multiplied as they are and the products accumulated in float32, as
+    tensor cores do: on CUDA by bmm(..., out_dtype=float32); elsewhere float16 and bfloat16
+    are converted to float32 first, which is exact, so a CPU computes what a GPU does (up to
+    the order of the sums).
+    """
+    if a.dtype in (torch.float16, torch.bfloat16):
+        if a.is_cuda and _BMM_OUT_DTYPE:
+            out = torch.bmm(a.flatten(0, 1), b.flatten(0, 1), out_dtype=torch.float32)  # (B*H, m, n)
+            out = out.view(*a.shape[:-1], b.size(-1))  # (B, H, m, n)
+            return out if alpha == 1.0 else out.mul_(alpha)
+        a, b = a.float(), b.float()
+    if alpha == 1.0:
+        return a @ b
+    out = torch.baddbmm(a.new_empty(()), a.flatten(0, 1), b.flatten(0, 1), beta=0, alpha=alpha)  # alpha inside
     return out.view(*a.shape[:-1], b.size(-1))  # (B, H, m, n)
 
 
@@ -1093,8 +1116,12 @@ def train(cfg, log=print):
     device = torch.device(auto if cfg.device == "auto" else cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {cfg.device}: no CUDA device is available here")
-    if "LOCAL_RANK" in os.environ and device.type == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    if "LOCAL_RANK" in os.environ and device.type == "cuda":  # torchrun: one GPU per process
+        local_rank, count = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+        if local_rank >= count:
+            raise RuntimeError(f"LOCAL_RANK={local_rank}, but this machine has {count} CUDA device(s): start at "
+                               "most that many processes per node (torchrun --nproc_per_node), or --device cpu")
+        device = torch.device("cuda", local_rank)
     rank, world = _setup_distributed(device)
     say = log if rank == 0 else (lambda *a, **k: None)
     try:

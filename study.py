@@ -799,9 +799,12 @@ def report(rows):
         lines += ["", "Not measured (from that n on): " + "; ".join(f"{s} {m} at {why}" for (s, m), why in
                                                                not_run.items())]
     if any(r["dtype"] in ("bfloat16", "float16") for r in rows):
-        lines += ["", "In bfloat16 and float16 the naive and chunked paths compute in float32 (minitransformer's "
-                  "accuracy choice: without TF32, float32 matrix products on a GPU), while the fused kernels compute "
-                  "in the input dtype with float32 accumulation: their time and memory ratios include that."]
+        dtype = next(r["dtype"] for r in rows if r["dtype"] in ("bfloat16", "float16"))
+        lines += ["", f"Compute dtypes: naive computes in {dtype}, as standard attention is written (scores and "
+                  "weights in the input dtype; softmax accumulates in float32 inside); chunked multiplies "
+                  f"{dtype} operands into float32 results (FlashAttention-2's recipe: P and dS rounded to "
+                  f"{dtype} for the products, statistics and rescaling in float32); the fused kernels take "
+                  f"{dtype} and accumulate in float32."]
     walls = [w for w in memory_wall(rows) if w[2] or w[3]]
     if walls:
         lines += ["", "## The memory wall", "",
