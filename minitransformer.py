@@ -320,7 +320,7 @@ def _matmul(a, b, alpha=1.0):
         a, b = a.float(), b.float()
     if alpha == 1.0:
         return a @ b
-    out = torch.baddbmm(a.new_empty(()), a.flatten(0, 1), b.flatten(0, 1), beta=0, alpha=alpha)  # alpha inside
+    out = torch.baddbmm(a.new_empty(()), a.flatten(0, 1), b.flatten(0, 1), beta=0, alpha=alpha)  # in the GEMM
     return out.view(*a.shape[:-1], b.size(-1))  # (B, H, m, n)
 
 
@@ -1119,8 +1119,9 @@ def train(cfg, log=print):
     if "LOCAL_RANK" in os.environ and device.type == "cuda":  # torchrun: one GPU per process
         local_rank, count = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
         if local_rank >= count:
-            raise RuntimeError(f"LOCAL_RANK={local_rank}, but this machine has {count} CUDA device(s): start at "
-                               "most that many processes per node (torchrun --nproc_per_node), or --device cpu")
+            raise RuntimeError(f"LOCAL_RANK={local_rank}, but this machine has {count} CUDA device(s): start "
+                               "at most that many processes per node (torchrun --nproc_per_node), or pass "
+                               "--device cpu")
         device = torch.device("cuda", local_rank)
     rank, world = _setup_distributed(device)
     say = log if rank == 0 else (lambda *a, **k: None)
