@@ -105,12 +105,14 @@ def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, devi
 
 def _apply_mask(scores, mask):
     """scores with a mask_block mask applied: -inf where a bool mask is False (never -1e9: it
-    overflows float16), the bias of a float mask added, in place unless it promotes them."""
+    overflows float16), the bias of a float mask added in float32 or wider (a finfo.min bias
+    plus a negative score would overflow float16 to -inf); in place where the dtype allows."""
     if mask is None:
         return scores
     if mask.dtype == torch.bool:
         return scores.masked_fill_(~mask, float("-inf"))
-    return scores.add_(mask) if mask.dtype == scores.dtype else scores + mask
+    wide = torch.promote_types(torch.promote_types(scores.dtype, mask.dtype), torch.float32)
+    return scores.add_(mask) if scores.dtype == wide else scores.to(wide) + mask
 
 
 def _finite_bias(bias, dtype, scale=1.0):
@@ -142,8 +144,8 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 
     Returns out (B, H, Lq, Dv) and the weights (B, H, Lq, Lk) it used, after dropout, so
     that out == weights @ v. Standard attention as it is written: computed in the inputs'
-    dtype (softmax accumulates in float32 inside), a float32 mask promoting the scores to
-    float32; autocast does not reach inside.
+    dtype (softmax accumulates in float32 inside), except that a float mask is added in float32
+    or wider; autocast does not reach inside.
     """
     attn_mask, scale = _check_attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
     Lq, Lk = q.size(-2), k.size(-2)
@@ -230,6 +232,7 @@ def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
     """out (B, H, Lq, Dv), and per query the row max m and log2(l), (B, H, Lq, 1) in base 2,
     float32 or wider; a query with every key masked gets m = +inf, so that its P is 0."""
     B, H, Lq, _ = q.shape
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # every block a view, never a copy
     acc = torch.promote_types(q.dtype, torch.float32)
     bias = _base2_bias(attn_mask, acc)
     out = q.new_empty(B, H, Lq, v.size(-1))
@@ -269,8 +272,9 @@ def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     """dq, dk, dv, and the gradient of a float attn_mask when mask_grad (else an empty tensor)."""
     B, H, Lq, _ = q.shape
     acc = row_max.dtype
+    dq, dk, dv = (torch.zeros_like(t, dtype=acc) for t in (q, k, v))  # laid out as q, k, v (register_fake)
+    dout, q, k, v = dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous()
     bias = _base2_bias(attn_mask, acc)
-    dq, dk, dv = (torch.zeros_like(t, dtype=acc) for t in (q, k, v))
     dmask = torch.zeros_like(attn_mask, dtype=acc) if mask_grad else q.new_empty(0)
     row_key, col_key = _dropout_keys(seed, B, H, Lq, k.size(-2)) if dropout_p > 0.0 else (None, None)
     for rows in _blocks(Lq, cq):

@@ -800,11 +800,13 @@ def report(rows):
                                                                not_run.items())]
     if any(r["dtype"] in ("bfloat16", "float16") for r in rows):
         dtype = next(r["dtype"] for r in rows if r["dtype"] in ("bfloat16", "float16"))
-        lines += ["", f"Compute dtypes: naive computes in {dtype}, as standard attention is written (scores and "
-                  "weights in the input dtype; softmax accumulates in float32 inside); chunked multiplies "
-                  f"{dtype} operands into float32 results (FlashAttention-2's recipe: P and dS rounded to "
-                  f"{dtype} for the products, statistics and rescaling in float32); the fused kernels take "
-                  f"{dtype} and accumulate in float32."]
+        paths = {r["path"] for r in rows}
+        said = {"naive": f"naive computes in {dtype}, as standard attention is written (scores and weights in the "
+                         "input dtype; softmax accumulates in float32 inside)",
+                "chunked": f"chunked multiplies {dtype} operands into float32 results (FlashAttention-2's recipe: "
+                           f"P and dS rounded to {dtype} for the products, statistics and rescaling in float32)"}
+        lines += ["", "Compute dtypes: " + "; ".join([said[p] for p in said if p in paths] + [
+            f"the fused kernels take {dtype} and accumulate in float32"]) + "."]
     walls = [w for w in memory_wall(rows) if w[2] or w[3]]
     if walls:
         lines += ["", "## The memory wall", "",

@@ -163,13 +163,15 @@ def sdpa64(q, k, v, mask, is_causal):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if CUDA else []))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mask_kind", ["none", "padding", "bias"])
-def test_flashattention_precision_rule(dtype, causal, mask_kind):
+def test_flashattention_precision_rule(device, dtype, causal, mask_kind):
     # FlashAttention's rule: against float64, the error of the output and of every gradient (a learned bias's
     # too) is at most 2x that of standard attention computed in the input dtype, + 1e-5. n = 1024, scores with
-    # standard deviation 3; no mask, a padding mask, or a float32 learned bias (std 2); causal and not.
+    # standard deviation 3; no mask, a padding mask, or a float32 learned bias (std 2); causal and not. naive is
+    # standard attention itself; the rule binds chunked (its own algorithm) and flash (SDPA's kernels).
     g = torch.Generator().manual_seed(0)
     n = 1024
     q, k = (torch.randn(2, 2, n, 64, generator=g, dtype=torch.float64) * 3 ** 0.5 for _ in range(2))
@@ -189,9 +191,11 @@ def test_flashattention_precision_rule(dtype, causal, mask_kind):
     low = [t.to(dtype) for t in (q, k, v, dout)]
     low_bias = None if bias is None else bias.float()
     std = grads_of(with_bias(standard), *low, low_bias)
+    keep = None if keep is None else keep.to(device)
+    on_device = [t.to(device) for t in low] + ([] if bias is None else [low_bias.to(device)])
     for impl in mt.IMPLS:
         ours = grads_of(with_bias(lambda q, k, v, m: run_path(impl, q, k, v, attn_mask=m, is_causal=causal)),
-                        *low, low_bias)
+                        *on_device[:4], None if bias is None else on_device[4])
         for name, x, s, r in zip(("out", "dq", "dk", "dv", "dbias"), ours, std, ref):
             assert x.dtype == (torch.float32 if name == "dbias" else dtype)
             err, std_err = (x.double() - r).abs().max().item(), (s.double() - r).abs().max().item()
@@ -236,11 +240,8 @@ def test_hugging_face_min_masks_mean_what_sdpa_means(impl, dtype, tol):
     bias = torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
     with sdpa_kernel(SDPBackend.MATH):
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.double())
-    low = [t.to(dtype) for t in (q, k, v)]
-    out = run_path(impl, *low, attn_mask=bias)
+    out = run_path(impl, *(t.to(dtype) for t in (q, k, v)), attn_mask=bias)
     assert torch.isfinite(out).all()
-    if dtype != torch.float32:  # FlashAttention's rule: standard attention in the dtype, adding the same bias
-        tol = 2 * (standard_attention(*low, bias).double() - ref).abs().max().item() + tol
     assert (out.double() - ref).abs().max().item() <= tol
     if dtype != torch.float16:
         torch.testing.assert_close(out[:, :, 3].double(), v.to(dtype).double().mean(-2), atol=tol, rtol=0)
@@ -548,10 +549,37 @@ def test_chunked_products_take_their_operands_in_the_input_dtype(dtype):
         mt._chunked_bwd._init_fn(dout, q, k, v, out, row_max, log2_sum, bias, seed, *options, True)
     blocks = sum(len(mt._key_blocks(rows, 29, 8, True, 20)) for rows in mt._blocks(37, 16))
     assert len(mode.seen) == 7 * blocks  # S and P V forward; S, dO V^T, P^T dO, dS K, dS^T Q backward
+    q_blocks = [q[:, :, rows].float().flatten(0, 1) for rows in mt._blocks(37, 16)]
     for func, operands, result in mode.seen:
         assert result.dtype == torch.float32, func
         for t in operands[-2:]:  # baddbmm's first argument is the (ignored) input
             assert torch.equal(t.to(dtype).to(t.dtype), t), f"{func}: an operand {dtype} does not hold exactly"
+        if func.overloadpacket == torch.ops.aten.baddbmm:  # S = Q K^T: q itself, the scale not folded into it
+            assert any(torch.equal(operands[-2], b) for b in q_blocks)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_chunked_products_run_on_tensor_cores(dtype):
+    # on CUDA every product of the chunked forward and backward is bmm(a, b, out_dtype=float32) of two
+    # operands in the input dtype, never a float32 product of converted operands
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):
+        seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.baddbmm):
+                self.seen.append((str(func), [t.dtype for t in args if torch.is_tensor(t)]))
+            return func(*args, **(kwargs or {}))
+    q, k, v, dout = (torch.randn(2, 3, 300, 64, device="cuda", dtype=dtype) for _ in range(4))
+    options = (0.0, True, 0.125, None, 128, 128)
+    with Products() as mode:
+        out, row_max, log2_sum = mt._chunked_fwd._init_fn(q, k, v, None, None, *options)
+        mt._chunked_bwd._init_fn(dout, q, k, v, out, row_max, log2_sum, None, None, *options, False)
+    blocks = sum(len(mt._key_blocks(rows, 300, 128, True, None)) for rows in mt._blocks(300, 128))
+    assert len(mode.seen) == 7 * blocks
+    assert all(name == "aten.bmm.dtype" and dtypes == [dtype, dtype] for name, dtypes in mode.seen), mode.seen
 
 
 def test_chunked_saves_no_quadratic_tensor():
@@ -1005,7 +1033,8 @@ def test_cuda_encoder_and_a_training_step_never_make_the_host_wait(amp):
             x, y, lengths = mt.reverse_batch(32, 3, 10, cfg.vocab_size, torch.Generator("cuda").manual_seed(i))
             with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
                 logits = model(x, mt.padding_mask(lengths, x.size(1)))
-                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1), ignore_index=mt.PAD)
+                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1), ignore_index=mt.PAD,
+                                       label_smoothing=cfg.label_smoothing)
             return mt.optimizer_step(loss, model, optimizer, scaler, cfg.clip)
         step(0)  # warm-up: cuBLAS handles, the allocator's first blocks
         torch.cuda.synchronize()
@@ -1282,7 +1311,11 @@ def test_cuda_sweep_asks_the_worker_and_never_initialises_cuda(tmp_path, monkeyp
     rows = study.read_rows(tmp_path / "study.csv")
     assert {(r["device"], r["dtype"], r["mem_budget_gib"]) for r in rows} == {(t4["label"], dtype, budget_gib)}
     assert {r["series"] for r in rows} == {"flash", "sdpa-flash"}
-    summary = (tmp_path / "summary.md").read_text()  # the compute dtype of each path, where paths are compared
+    summary = (tmp_path / "summary.md").read_text()  # the compute dtype of each path measured, and only those
+    assert f"the fused kernels take {dtype}" in summary and "naive computes" not in summary
+    study.main(["--device", "cuda", "--lengths", "512", "--series", "naive,chunked", "--out", str(tmp_path)] + budget,
+               runner=fake_runner([], device=t4))
+    summary = (tmp_path / "summary.md").read_text()
     assert f"naive computes in {dtype}" in summary and f"chunked multiplies {dtype} operands" in summary
 
 
