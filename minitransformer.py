@@ -227,15 +227,16 @@ def _autocast_off(op):
 @_autocast_off
 def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                  seed: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
-                 window_size: Optional[int], cq: int, ck: int
+                 window_size: Optional[int], cq: int, ck: int, out_dtype: Optional[torch.dtype] = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """out (B, H, Lq, Dv), and per query the row max m and log2(l), (B, H, Lq, 1) in base 2,
-    float32 or wider; a query with every key masked gets m = +inf, so that its P is 0."""
+    """out (B, H, Lq, Dv) in out_dtype (default q's), and per query the row max m and log2(l),
+    (B, H, Lq, 1) in base 2, float32 or wider; a query with every key masked gets m = +inf, so
+    that its P is 0."""
     B, H, Lq, _ = q.shape
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # every block a view, never a copy
     acc = torch.promote_types(q.dtype, torch.float32)
     bias = _base2_bias(attn_mask, acc)
-    out = q.new_empty(B, H, Lq, v.size(-1))
+    out = q.new_empty(B, H, Lq, v.size(-1), dtype=out_dtype or q.dtype)
     row_max, log2_sum = q.new_empty(B, H, Lq, 1, dtype=acc), q.new_empty(B, H, Lq, 1, dtype=acc)
     row_key, col_key = _dropout_keys(seed, B, H, Lq, k.size(-2)) if dropout_p > 0.0 else (None, None)
     for rows in _blocks(Lq, cq):
@@ -256,7 +257,7 @@ def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
             o.mul_(alpha).add_(_matmul(p.to(v.dtype), v[:, :, cols]))  # P rounded to the inputs' dtype
             m = m_new
         dead = l == 0  # every key masked
-        out[:, :, rows] = (o / (l.masked_fill(dead, 1.0) * (1.0 - dropout_p))).to(q.dtype)
+        out[:, :, rows] = o / (l.masked_fill(dead, 1.0) * (1.0 - dropout_p))
         row_max[:, :, rows] = m.masked_fill(dead, float("inf"))
         log2_sum[:, :, rows] = torch.log2(l.masked_fill(dead, 1.0))
     return out, row_max, log2_sum
@@ -267,9 +268,11 @@ def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
 def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  row_max: torch.Tensor, log2_sum: torch.Tensor, attn_mask: Optional[torch.Tensor],
                  seed: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
-                 window_size: Optional[int], cq: int, ck: int, mask_grad: bool
+                 window_size: Optional[int], cq: int, ck: int, mask_grad: bool,
+                 grad_dtype: Optional[torch.dtype] = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv, and the gradient of a float attn_mask when mask_grad (else an empty tensor)."""
+    """dq, dk, dv (in grad_dtype, default their inputs'), and the gradient of a float attn_mask
+    when mask_grad (else an empty tensor)."""
     B, H, Lq, _ = q.shape
     acc = row_max.dtype
     dq, dk, dv = (torch.zeros_like(t, dtype=acc) for t in (q, k, v))  # laid out as q, k, v (register_fake)
@@ -302,7 +305,8 @@ def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     dq.mul_(scale)
     dk.mul_(scale)
     dv.mul_(1.0 / (1.0 - dropout_p))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask.to(attn_mask.dtype) if mask_grad else dmask
+    dq, dk, dv = (g.to(grad_dtype or t.dtype) for g, t in ((dq, q), (dk, k), (dv, v)))
+    return dq, dk, dv, dmask.to(attn_mask.dtype) if mask_grad else dmask
 
 
 _BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(a, b, out_dtype=...), CUDA
@@ -401,21 +405,22 @@ def _drop(t, keep_bits):
 
 
 @_chunked_fwd.register_fake
-def _(q, k, v, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck):
+def _(q, k, v, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck, out_dtype=None):
     acc = torch.promote_types(q.dtype, torch.float32)
     stats = q.new_empty(*q.shape[:-1], 1, dtype=acc)
-    return q.new_empty(*q.shape[:-1], v.size(-1)), stats, torch.empty_like(stats)
+    return q.new_empty(*q.shape[:-1], v.size(-1), dtype=out_dtype or q.dtype), stats, torch.empty_like(stats)
 
 
 @_chunked_bwd.register_fake
-def _(dout, q, k, v, out, row_max, log2_sum, attn_mask, seed, *options_and_mask_grad):
-    mask_grad = options_and_mask_grad[-1]
+def _(dout, q, k, v, out, row_max, log2_sum, attn_mask, seed, dropout_p, is_causal, scale, window_size,
+      cq, ck, mask_grad, grad_dtype=None):
     dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+    dq, dk, dv = (torch.empty_like(t, dtype=grad_dtype or t.dtype) for t in (q, k, v))
+    return dq, dk, dv, dmask
 
 
 def _chunked_setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, seed, *options = inputs
+    q, k, v, attn_mask, seed, *options = inputs[:11]  # not out_dtype: gradients come in the inputs' dtypes
     out, row_max, log2_sum = output
     ctx.save_for_backward(q, k, v, out, row_max, log2_sum, attn_mask, seed)
     ctx.options = options  # dropout_p, is_causal, scale, window_size, cq, ck
@@ -426,7 +431,7 @@ def _chunked_backward(ctx, dout, _drow_max, _dlog2_sum):
     mask_grad = ctx.needs_input_grad[3]  # a float mask that requires grad: a learned bias (T5, ALiBi)
     dq, dk, dv, dmask = _chunked_bwd(dout, q, k, v, out, row_max, log2_sum, attn_mask, seed, *ctx.options,
                                      mask_grad)
-    return dq, dk, dv, dmask if mask_grad else None, None, None, None, None, None, None, None
+    return dq, dk, dv, dmask if mask_grad else None, None, None, None, None, None, None, None, None
 
 
 _chunked_fwd.register_autograd(_chunked_backward, setup_context=_chunked_setup_context)
@@ -535,6 +540,142 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
 
 
 # -----------------------------------------------------------------------------
+# Beyond one device: ring attention (Liu et al. 2023, "Ring Attention with Blockwise
+# Transformers", https://arxiv.org/abs/2310.01889), over torch.distributed.
+#
+# Each of P ranks holds a shard of the sequence: its queries Q_r and keys and values K_r, V_r.
+# The K/V blocks travel around the ring: at step s rank r holds block j = (r - s) mod P, runs
+# the chunked path on its queries and that block, and meanwhile passes the block on to rank
+# r + 1. Each step's result, normalised by its own row max m_s and sum l_s (base 2), merges
+# into the running one exactly as the chunked path merges key blocks (float32):
+#     m = max(m_1, m_2),   w_i = exp2(m_i + log2(l_i) - m),   l = w_1 + w_2,
+#     out = (w_1 out_1 + w_2 out_2) / l.
+# The backward runs the chunked backward of every step against the final m and l (so each step
+# recomputes exactly its share of the probabilities), and dK, dV travel the ring with their
+# block until they are home. Causal attention skips the steps that it masks entirely; with the
+# zigzag layout (rank r holds chunks r and 2P-1-r of 2P) every rank does the same work a step.
+
+RING_LAYOUTS = ("contiguous", "zigzag")
+
+
+def shard_sequence(x, rank, world_size, layout="contiguous", dim=-2):
+    """Rank `rank`'s shard of x along dim: positions [r*L/P, (r+1)*L/P) ("contiguous"), or chunks
+    r and 2P-1-r of 2P, concatenated ("zigzag")."""
+    _check_ring_layout(x.size(dim), world_size, layout)
+    if layout == "contiguous":
+        return x.chunk(world_size, dim)[rank]
+    chunks = x.chunk(2 * world_size, dim)
+    return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim)
+
+
+def ring_attention(q, k, v, is_causal=False, scale=None, *, group=None, layout="contiguous"):
+    """softmax(Q K^T * scale) V over a sequence sharded across the ranks of a process group.
+
+    q (B, H, L/P, D), k (B, H, L/P, D), v (B, H, L/P, Dv): this rank's shard, in `layout`
+    (shard_sequence); returns this rank's shard of the output, (B, H, L/P, Dv). group=None:
+    the default process group. Differentiable; float16 and bfloat16 follow the chunked path.
+    """
+    scale = _check_ring_args(q, k, v, scale, group, layout)
+    return _RingAttention.apply(q, k, v, is_causal, scale, group, layout)
+
+
+def _ring_steps(rank, world, n, is_causal, layout):
+    """(s, rows, cols, causal) of every step that computes: the local query rows and visiting key
+    columns that see each other, and whether within them causality still masks (the diagonal)."""
+    steps, whole, half = [], slice(0, n), n // 2
+    for s in range(world):
+        j = (rank - s) % world  # the rank whose K/V block is here
+        if not is_causal or j == rank:
+            steps.append((s, whole, whole, is_causal))
+        elif layout == "contiguous" and j < rank:
+            steps.append((s, whole, whole, False))
+        elif layout == "zigzag":  # chunk x sees all of chunk y < x: the earlier half of j's block, or
+            steps.append((s, whole, slice(0, half), False) if j < rank else (s, slice(half, n), whole, False))
+    return steps
+
+
+def _ring_pass(tensors, group):
+    """Start sending `tensors` to the next rank and receiving their like from the previous one:
+    (the received tensors, the requests to wait on before reading them)."""
+    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    nxt = torch.distributed.get_global_rank(group, (rank + 1) % world) if group else (rank + 1) % world
+    prv = torch.distributed.get_global_rank(group, (rank - 1) % world) if group else (rank - 1) % world
+    received = [torch.empty_like(t) for t in tensors]
+    ops = [torch.distributed.P2POp(torch.distributed.isend, t, nxt, group) for t in tensors]
+    ops += [torch.distributed.P2POp(torch.distributed.irecv, t, prv, group) for t in received]
+    return received, torch.distributed.batch_isend_irecv(ops)
+
+
+def _wait(requests):
+    """Wait for the ring's messages: the time spent here is the communication that compute did not hide
+    (a profiler region, which study.py reads)."""
+    with torch.profiler.record_function("ring_attention.wait"):
+        for request in requests:
+            request.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal, scale, group, layout):
+        world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        cq, ck = default_chunk_size(q.device)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        out = q.new_zeros(*q.shape[:-1], v.size(-1), dtype=acc)  # (B, H, n, Dv), partial outputs in float32
+        row_max = q.new_full((*q.shape[:-1], 1), float("-inf"), dtype=acc)  # (B, H, n, 1)
+        log2_sum = torch.full_like(row_max, float("-inf"))  # l = 0: nothing seen yet
+        kv, steps = (k.contiguous(), v.contiguous()), _ring_steps(rank, world, q.size(-2), is_causal, layout)
+        for s in range(world):
+            received, requests = _ring_pass(kv, group) if s < world - 1 else (None, [])
+            for _, rows, cols, causal in (step for step in steps if step[0] == s):
+                q_s, k_s, v_s = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
+                part = _chunked_fwd(q_s, k_s, v_s, None, None, 0.0, causal, scale, None, cq, ck, acc)
+                whole = out[:, :, rows], row_max[:, :, rows], log2_sum[:, :, rows]
+                for t, merged in zip(whole, _merge_partials(*whole, *part)):
+                    t.copy_(merged)
+            _wait(requests)
+            kv = received or kv
+        ctx.save_for_backward(q, k, v, out, row_max, log2_sum)
+        ctx.options = is_causal, scale, group, layout
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, row_max, log2_sum = ctx.saved_tensors
+        is_causal, scale, group, layout = ctx.options
+        world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        cq, ck = default_chunk_size(q.device)
+        acc = out.dtype
+        dq = torch.zeros_like(q, dtype=acc)
+        kv = k.contiguous(), v.contiguous()  # what travels must be contiguous
+        dkv = torch.zeros_like(kv[0], dtype=acc), torch.zeros_like(kv[1], dtype=acc)
+        steps = _ring_steps(rank, world, q.size(-2), is_causal, layout)
+        for s in range(world):
+            received, requests = _ring_pass(kv, group) if s < world - 1 else (None, [])
+            for _, rows, cols, causal in (step for step in steps if step[0] == s):
+                q_s, k_s, v_s = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
+                stats = out[:, :, rows], row_max[:, :, rows], log2_sum[:, :, rows]  # of the whole result
+                dq_s, dk_s, dv_s, _ = _chunked_bwd(dout[:, :, rows], q_s, k_s, v_s, *stats, None, None, 0.0,
+                                                   causal, scale, None, cq, ck, False, acc)
+                dq[:, :, rows] += dq_s
+                dkv[0][:, :, cols] += dk_s
+                dkv[1][:, :, cols] += dv_s
+            # the block's gradients go on with it; after the last step they go home
+            dkv_received, dkv_requests = _ring_pass(dkv, group) if world > 1 else (dkv, [])
+            _wait(requests + dkv_requests)
+            kv, dkv = received or kv, dkv_received
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def _merge_partials(out, row_max, log2_sum, out_s, row_max_s, log2_sum_s):
+    """Two attention results over disjoint keys, each normalised by its own row max and sum (base 2),
+    as one: the online softmax's update, for whole blocks (float32)."""
+    m = torch.maximum(row_max, row_max_s)
+    w, w_s = torch.exp2(row_max - m + log2_sum), torch.exp2(row_max_s - m + log2_sum_s)
+    return (w * out + w_s * out_s) / (w + w_s), m, torch.log2(w + w_s)
+
+
+# -----------------------------------------------------------------------------
 # Multi-head attention
 
 
@@ -543,25 +684,27 @@ class MultiHeadAttention(nn.Module):
 
     x: (B, T, C) with C = d_model, batch first. The three input projections are one
     C -> 3C linear layer, its weight laid out as nn.MultiheadAttention's in_proj_weight.
-    rope: an optional RotaryEmbedding applied to q and k of every head.
+    rope: an optional RotaryEmbedding applied to q and k of every head. impl="ring": x is this
+    rank's shard of sequences cut across the default process group (ring_attention, ring_layout).
     """
 
     def __init__(self, d_model, n_heads, dropout=0.0, bias=True, impl="flash", *, chunk_size=None,
-                 window_size=None, rope=None):
+                 window_size=None, rope=None, ring_layout="contiguous"):
         super().__init__()
         if d_model % n_heads != 0:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
-        if impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        if impl not in IMPLS + ("ring",):
+            raise ValueError(f"impl must be one of {IMPLS + ('ring',)}, got {impl!r}")
         if d_model // n_heads < 32:
             warnings.warn(f"head size d_model/n_heads = {d_model // n_heads} is below 32; "
                           "fine for small test models, weak for real ones", stacklevel=2)
         self.d_model, self.n_heads, self.dropout, self.impl = d_model, n_heads, dropout, impl
         self.chunk_size, self.window_size, self.rope = chunk_size, window_size, rope
+        self.ring_layout = ring_layout
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
 
-    def forward(self, x, attn_mask=None, is_causal=False, need_weights=False):
+    def forward(self, x, attn_mask=None, is_causal=False, need_weights=False, positions=None):
         if x.dim() != 3 or x.size(-1) != self.d_model:
             raise ValueError(f"expected x of shape (B, T, {self.d_model}), got {tuple(x.shape)}")
         B, T, C = x.size()
@@ -571,10 +714,14 @@ class MultiHeadAttention(nn.Module):
         k = k.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         if self.rope is not None:
-            q, k = self.rope(q), self.rope(k)
+            q, k = self.rope(q, positions), self.rope(k, positions)
         p = self.dropout if self.training else 0.0
         if need_weights:  # only the naive path materialises the weights
             y, weights = naive_attention(q, k, v, attn_mask, p, is_causal, window_size=self.window_size)
+        elif self.impl == "ring":
+            if attn_mask is not None or p > 0.0:
+                raise ValueError("impl='ring' takes no attn_mask and no dropout")
+            y = ring_attention(q, k, v, is_causal, layout=self.ring_layout)
         else:
             y = attention(q, k, v, attn_mask, p, is_causal, impl=self.impl, window_size=self.window_size,
                           chunk_size=self.chunk_size)
@@ -623,9 +770,11 @@ class SinusoidalPositionalEncoding(nn.Module):
         self.register_buffer("pe", pe.float(), persistent=False)  # recomputed, so not in the checkpoint
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x):
+    def forward(self, x, positions=None):
+        """positions: the (T,) positions of x's rows; default 0 .. T-1."""
         _check_length(x.size(1), self.max_len)
-        return self.drop(x + self.pe[: x.size(1)].to(x.dtype))
+        pos = slice(0, x.size(1)) if positions is None else positions
+        return self.drop(x + self.pe[pos].to(x.dtype))
 
 
 class LearnedPositionalEncoding(nn.Module):
@@ -637,9 +786,10 @@ class LearnedPositionalEncoding(nn.Module):
         self.pe = nn.Embedding(max_len, d_model)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x):
+    def forward(self, x, positions=None):
         _check_length(x.size(1), self.max_len)
-        return self.drop(x + self.pe.weight[: x.size(1)])
+        pos = slice(0, x.size(1)) if positions is None else positions
+        return self.drop(x + self.pe.weight[pos])
 
 
 class RotaryEmbedding(nn.Module):
@@ -660,12 +810,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angle.cos().float(), persistent=False)
         self.register_buffer("sin", angle.sin().float(), persistent=False)
 
-    def forward(self, x):
-        T = x.size(-2)
-        _check_length(T, self.max_len)
+    def forward(self, x, positions=None):
+        """positions: the (T,) positions of x's rows; default 0 .. T-1."""
+        _check_length(x.size(-2), self.max_len)
+        pos = slice(0, x.size(-2)) if positions is None else positions
         x1, x2 = x.chunk(2, dim=-1)
         rotated = torch.cat([-x2, x1], dim=-1)  # (B, nh, T, hs): multiplication by i, pair by pair
-        return x * self.cos[:T].to(x.dtype) + rotated * self.sin[:T].to(x.dtype)
+        return x * self.cos[pos].to(x.dtype) + rotated * self.sin[pos].to(x.dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -683,12 +834,13 @@ class EncoderLayer(nn.Module):
     """
 
     def __init__(self, d_model, n_heads, d_ff, dropout=0.1, norm_first=False, activation="relu", impl="flash",
-                 layer_norm_eps=1e-5, *, bias=True, chunk_size=None, window_size=None, rope=None):
+                 layer_norm_eps=1e-5, *, bias=True, chunk_size=None, window_size=None, rope=None,
+                 ring_layout="contiguous"):
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be one of {tuple(_ACTIVATIONS)}, got {activation!r}")
         self.self_attn = MultiHeadAttention(d_model, n_heads, dropout, bias, impl, chunk_size=chunk_size,
-                                            window_size=window_size, rope=rope)
+                                            window_size=window_size, rope=rope, ring_layout=ring_layout)
         self.linear1 = nn.Linear(d_model, d_ff, bias=bias)
         self.linear2 = nn.Linear(d_ff, d_model, bias=bias)
         self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
@@ -699,20 +851,20 @@ class EncoderLayer(nn.Module):
         self.activation = _ACTIVATIONS[activation]
         self.norm_first = norm_first
 
-    def _sa(self, x, attn_mask, is_causal):
-        return self.dropout1(self.self_attn(x, attn_mask, is_causal))
+    def _sa(self, x, attn_mask, is_causal, positions):
+        return self.dropout1(self.self_attn(x, attn_mask, is_causal, positions=positions))
 
     def _ff(self, x):
         return self.dropout2(self.linear2(self.dropout(self.activation(self.linear1(x)))))
 
-    def forward(self, x, attn_mask=None, is_causal=False):
+    def forward(self, x, attn_mask=None, is_causal=False, positions=None):
         d_model = self.linear1.in_features
         if x.dim() != 3 or x.size(-1) != d_model:  # before LayerNorm, whose own error is less clear
             raise ValueError(f"expected x of shape (B, T, {d_model}), got {tuple(x.shape)}")
         if self.norm_first:
-            x = x + self._sa(self.norm1(x), attn_mask, is_causal)
+            x = x + self._sa(self.norm1(x), attn_mask, is_causal, positions)
             return x + self._ff(self.norm2(x))
-        x = self.norm1(x + self._sa(x, attn_mask, is_causal))
+        x = self.norm1(x + self._sa(x, attn_mask, is_causal, positions))
         return self.norm2(x + self._ff(x))
 
     @classmethod
@@ -750,10 +902,11 @@ class EncoderConfig:
     dropout: float = 0.0  # dropout on attention probabilities, residual branches and embeddings
     norm_first: bool = True  # pre-LN (stable without warm-up tricks); False = post-LN as in the paper
     activation: str = "relu"  # "relu" or "gelu"
-    impl: str = "flash"  # attention path: "naive", "chunked" or "flash"
+    impl: str = "flash"  # attention path: "naive", "chunked", "flash", or "ring" (a sequence across ranks)
     pos_encoding: str = "sinusoidal"  # "sinusoidal", "learned" or "rope"
     chunk_size: int | None = None  # block size of the chunked path; None = default_chunk_size(device)
     window_size: int | None = None  # local attention: keys within this distance; None = global
+    ring_layout: str = "contiguous"  # impl="ring": how the sequence is cut, "contiguous" or "zigzag"
     layer_norm_eps: float = 1e-5  # epsilon of every LayerNorm
 
     def __post_init__(self):
@@ -764,7 +917,8 @@ class EncoderConfig:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
-        choices = {"activation": tuple(_ACTIVATIONS), "impl": IMPLS, "pos_encoding": POS_ENCODINGS}
+        choices = {"activation": tuple(_ACTIVATIONS), "impl": IMPLS + ("ring",),
+                   "pos_encoding": POS_ENCODINGS, "ring_layout": RING_LAYOUTS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -773,6 +927,8 @@ class EncoderConfig:
         if self.chunk_size is not None:
             _chunks(self.chunk_size)
         _check_window(self.window_size)
+        if self.impl == "ring" and (self.dropout or self.window_size is not None):
+            raise ValueError("impl='ring' has no dropout and no window: set dropout=0.0 and window_size=None")
 
 
 class Encoder(nn.Module):
@@ -796,7 +952,8 @@ class Encoder(nn.Module):
             rope = RotaryEmbedding(c.d_model // c.n_heads, c.max_len)
         self.layers = nn.ModuleList(
             EncoderLayer(c.d_model, c.n_heads, c.d_ff, c.dropout, c.norm_first, c.activation, c.impl,
-                         c.layer_norm_eps, chunk_size=c.chunk_size, window_size=c.window_size, rope=rope)
+                         c.layer_norm_eps, chunk_size=c.chunk_size, window_size=c.window_size, rope=rope,
+                         ring_layout=c.ring_layout)
             for _ in range(c.n_layers))
         self.norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps) if c.norm_first else nn.Identity()
         self.apply(self._init_weights)
@@ -817,24 +974,32 @@ class Encoder(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def _embed(self, idx):
-        """Checked token ids (B, T) -> PosEnc(Embed(idx) * sqrt(d_model)), (B, T, d_model)."""
+        """Checked token ids (B, T) -> PosEnc(Embed(idx) * sqrt(d_model)), (B, T, d_model), and the
+        positions of the T tokens: None (0 .. T-1), or with impl="ring" their places in the whole
+        sequence, of which idx is this rank's shard."""
         c = self.config
         if idx.dim() != 2 or idx.dtype.is_floating_point or idx.dtype == torch.bool:
             raise ValueError(f"idx must be integer token ids (B, T), got {tuple(idx.shape)} {idx.dtype}")
-        _check_length(idx.size(1), c.max_len)
+        T, positions = idx.size(1), None
+        if c.impl == "ring":
+            world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+            T *= world
+            positions = shard_sequence(torch.arange(T, device=idx.device), rank, world, c.ring_layout, dim=0)
+        _check_length(T, c.max_len)
         _check_range(idx, 0, c.vocab_size, "token ids")
-        return self.pos(self.embed(idx) * math.sqrt(c.d_model))
+        x = self.embed(idx) * math.sqrt(c.d_model)
+        return (self.pos(x) if c.pos_encoding == "rope" else self.pos(x, positions)), positions
 
     def forward(self, idx, attn_mask=None, is_causal=False):
-        x = self._embed(idx)  # (B, T, d_model)
+        x, positions = self._embed(idx)  # (B, T, d_model)
         for layer in self.layers:
-            x = layer(x, attn_mask, is_causal)
+            x = layer(x, attn_mask, is_causal, positions)
         return self.norm(x)
 
     def attention_weights(self, idx, attn_mask=None, is_causal=False, layer=-1):
         """Attention probabilities (B, H, T, T) of one layer, through the naive path: what a heatmap shows."""
         layer = range(len(self.layers))[layer]  # negative indices count from the last layer
-        x = self._embed(idx)
+        x, _ = self._embed(idx)
         for block in self.layers[:layer]:
             x = block(x, attn_mask, is_causal)
         block = self.layers[layer]
@@ -1364,6 +1529,33 @@ def _check_mask(attn_mask, q, k):
     if attn_mask.dim() < 2:  # (Lk,) or (): one row for every query, as broadcasting reads it
         attn_mask = attn_mask.expand(1, k.size(2))
     return attn_mask
+
+
+def _check_ring_args(q, k, v, scale, group, layout):
+    """ring_attention's arguments, and shards of one shape on every rank; returns the scale."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise RuntimeError("ring_attention needs a process group: call torch.distributed.init_process_group "
+                           "first (torchrun sets up its environment)")
+    _, scale = _check_attention_args(q, k, v, None, 0.0, scale, None)
+    if q.size(-2) != k.size(-2):
+        raise ValueError(f"ring_attention's q and k shards must be as long: {q.size(-2)} and {k.size(-2)}")
+    world = torch.distributed.get_world_size(group)
+    _check_ring_layout(q.size(-2) * world, world, layout)
+    shapes = [None] * world  # a shard of another length would make the ring exchange fail or hang
+    torch.distributed.all_gather_object(shapes, (tuple(q.shape), tuple(v.shape)), group=group)
+    if len(set(shapes)) > 1:
+        raise ValueError(f"ring_attention needs shards of one shape on every rank, got (q, v) {shapes}")
+    return scale
+
+
+def _check_ring_layout(L, world, layout):
+    if layout not in RING_LAYOUTS:
+        raise ValueError(f"layout must be one of {RING_LAYOUTS}, got {layout!r}")
+    parts = world if layout == "contiguous" else 2 * world
+    if L % parts:
+        why = " (every zigzag shard has two chunks: an even length)" if layout == "zigzag" else ""
+        raise ValueError(f"a {layout} layout cuts the sequence into {parts} equal parts: its length {L} is "
+                         f"not a multiple of {parts}{why}")
 
 
 def _check_window(window_size):

@@ -51,16 +51,19 @@ import platform
 import resource
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass, replace
+from multiprocessing.connection import wait
 
 import torch
 
 import minitransformer as mt
 
 COLUMNS = ["device", "torch", "dtype", "series", "path", "kernel", "mode", "causal", "window", "B", "H", "D",
-           "n", "ms", "peak_mib", "rss_mib", "tflops", "pct_matmul", "matmul_tflops", "mem_budget_gib", "status"]
+           "n", "world", "ms", "comm_ms", "peak_mib", "rss_mib", "tflops", "pct_matmul", "matmul_tflops",
+           "mem_budget_gib", "status"]
 MODES = ("fwd", "fwd+bwd")
 MIB = 2**20
 SDPA_SERIES = {"sdpa-flash": "flash", "sdpa-efficient": "efficient", "sdpa-cudnn": "cudnn"}
@@ -94,7 +97,7 @@ def computed_flops(point):
     the fused kernels skip causal pairs only when causality reaches them as a flag, and naive,
     like SDPA given a window (only as an (n, n) mask), computes every pair and masks the rest."""
     p = point
-    dense = p["path"] == "naive" or (p["path"] != "chunked" and p["window"] is not None)
+    dense = p["path"] == "naive" or (p["path"] not in ("chunked", "ring") and p["window"] is not None)
     return attention_flops(p["B"], p["H"], p["n"], p["D"], p["causal"] and not dense,
                            None if dense else p["window"], p["mode"])
 
@@ -306,6 +309,8 @@ def _attention_call(spec, q, k, v):
         return (lambda: mt.flash_attention(q, k, v, on_math="allow", **kw)), kernel
     if path == "chunked":
         return (lambda: mt.chunked_attention(q, k, v, chunk_size=spec["chunk_size"], **kw)), "chunked"
+    if path == "ring":
+        return (lambda: mt.ring_attention(q, k, v, is_causal=spec["causal"])), "ring"
     return (lambda: mt.naive_attention(q, k, v, **kw)[0]), "naive"
 
 
@@ -314,7 +319,7 @@ class _Workload:
 
     def __init__(self, spec):
         self.device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
-        B, H, n, D = spec["B"], spec["H"], spec["n"], spec["D"]
+        B, H, n, D = spec["B"], spec["H"], spec["n"] // spec.get("world", 1), spec["D"]  # ring: this rank's shard
         self.train = spec["mode"] == "fwd+bwd"
         g = torch.Generator(device=self.device).manual_seed(0)
         self.q, self.k, self.v = (torch.randn(B, H, n, D, device=self.device, dtype=dtype, generator=g)
@@ -385,8 +390,21 @@ def measure_point(spec):
         rss = peak.mib
     first = work.timed(step)
     reps = max(spec["min_repeats"] - 1, min(20, int(spec["target_s"] / max(first, 1e-6))) - 1)
+    if spec["path"] == "ring":  # every rank must run the same number of ring calls
+        reps = spec["min_repeats"] - 1
     times = [first] + [work.timed(step) for _ in range(reps)]
-    return {"kernel": kernel, "ms": 1e3 * statistics.median(times), "peak_mib": alloc.mib, "rss_mib": rss}
+    comm = _ring_wait_ms(work, step) if spec["path"] == "ring" else None
+    return {"kernel": kernel, "ms": 1e3 * statistics.median(times), "comm_ms": comm, "peak_mib": alloc.mib,
+            "rss_mib": rss}
+
+
+def _ring_wait_ms(work, step):
+    """Milliseconds one ring step spends waiting for K/V blocks (and their gradients) that compute did not
+    hide: the "ring_attention.wait" regions of minitransformer, read through the profiler."""
+    work.clear_grads()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    return sum(e.cpu_time_total for e in prof.key_averages() if e.key == "ring_attention.wait") / 1e3
 
 
 def measure_compare(spec):
@@ -478,7 +496,14 @@ def _cap_address_space(budget_bytes):
     resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
 
 
-def _worker(conn, device, budget_bytes):
+def _worker(conn, device, budget_bytes, rank=0, world=1, store=None):
+    if world > 1:  # one rank of a ring series: a process group, the cores shared among the ranks
+        torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{store}",
+                                             rank=rank, world_size=world)
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+        else:
+            torch.set_num_threads(max(1, torch.get_num_threads() // world))
     if budget_bytes and device == "cuda":
         _cap_gpu_memory(budget_bytes)
     elif budget_bytes:
@@ -498,41 +523,93 @@ def _worker(conn, device, budget_bytes):
 
 
 class WorkerRunner:
-    """Runs measurements in a separate process, restarted if the OS kills it."""
+    """Runs measurements in separate processes (`world` of them, a process group, for a ring series),
+    restarted if the OS kills one."""
 
-    def __init__(self, device, budget_bytes):
-        self.device, self.budget_bytes, self.proc = device, budget_bytes, None
+    def __init__(self, device, budget_bytes, world=1):
+        self.device, self.budget_bytes, self.world, self.procs, self.conns = device, budget_bytes, world, [], []
 
     def _start(self):
         ctx = mp.get_context("spawn")  # a fresh interpreter: no state, threads or heap from the parent
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(child, self.device, self.budget_bytes), daemon=True)
-        self.proc.start()
+        store = os.path.join(tempfile.mkdtemp(prefix="study-ring-"), "store")
+        self.conns, self.procs = [], []
+        for rank in range(self.world):
+            conn, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(child, self.device, self.budget_bytes, rank, self.world, store),
+                               daemon=True)
+            proc.start()
+            self.conns.append(conn)
+            self.procs.append(proc)
+
+    def _stop(self):
+        for proc in self.procs:
+            proc.kill()
+            proc.join()
+        self.procs = []
 
     def __call__(self, spec):
-        if self.proc is None or not self.proc.is_alive():
+        if not self.procs or not all(proc.is_alive() for proc in self.procs):
+            self._stop()
             self._start()
-        self.conn.send(spec)
-        try:
-            status, payload = self.conn.recv()
-        except (EOFError, ConnectionResetError):  # the worker died mid-point
-            self.proc.join()
-            code, self.proc = self.proc.exitcode, None
+        for conn in self.conns:
+            conn.send(spec)
+        pending, answers, deadline = dict(enumerate(self.conns)), {}, None
+        while pending:  # after a rank fails, the others may wait in the ring for ever: a minute at most
+            ready = wait(list(pending.values()), None if deadline is None else max(0.0, deadline - time.time()))
+            if not ready:
+                break
+            for i in [i for i, conn in pending.items() if conn in ready]:
+                try:
+                    answers[i] = pending.pop(i).recv()
+                except (EOFError, ConnectionResetError):  # the worker died mid-point
+                    answers[i] = None
+                if answers[i] is None or answers[i][0] != "ok":
+                    deadline = deadline or time.time() + 60
+        answers = [answers.get(i) for i in range(self.world)]
+        if any(answer is None for answer in answers):
+            codes = [proc.exitcode for proc in self.procs]
+            self._stop()
             if self.device == "cuda":  # a GPU out of memory raises in the worker; a dead worker is a crash
-                raise RuntimeError(f"the worker died (exit code {code}) measuring {spec}")
-            raise PointOOM(f"worker killed (exit code {code}), most likely out of memory") from None
-        if status == "oom":
-            raise PointOOM(payload)
-        if status == "unsupported":
-            raise PointUnsupported(payload)
-        if status == "error":
-            raise RuntimeError(f"measurement failed for {spec}:\n{payload}")
-        return payload
+                raise RuntimeError(f"a worker died (exit codes {codes}) measuring {spec}")
+            raise PointOOM(f"worker killed (exit codes {codes}), most likely out of memory")
+        for status, payload in answers:
+            if status != "ok" and self.world > 1:
+                self._stop()  # the other ranks may still wait for it
+            if status == "oom":
+                raise PointOOM(payload)
+            if status == "unsupported":
+                raise PointUnsupported(payload)
+            if status == "error":
+                raise RuntimeError(f"measurement failed for {spec}:\n{payload}")
+        results = [payload for _, payload in answers]
+        if self.world == 1:
+            return results[0]
+        worst = {name: max(r[name] for r in results) for name in ("ms", "comm_ms", "peak_mib")}
+        worst["rss_mib"] = None if results[0]["rss_mib"] is None else max(r["rss_mib"] for r in results)
+        return {**results[0], **worst}  # per rank: the slowest rank's time, the largest memory
 
     def close(self):
-        if self.proc is not None and self.proc.is_alive():
-            self.conn.send(None)
-            self.proc.join(timeout=10)
+        for conn, proc in zip(self.conns, self.procs):
+            if proc.is_alive():
+                conn.send(None)
+                proc.join(timeout=10)
+
+
+class Workers:
+    """A WorkerRunner for each number of processes that points ask for (spec["world"], default 1)."""
+
+    def __init__(self, device, budget_bytes):
+        self.device, self.budget_bytes, self.runners = device, budget_bytes, {}
+
+    def __call__(self, spec):
+        world = spec.get("world", 1)
+        if world not in self.runners:
+            self.runners[world] = WorkerRunner(self.device, self.budget_bytes, world)
+        return self.runners[world](spec)
+
+    def close(self):
+        for runner in self.runners.values():
+            runner.close()
 
 
 # -----------------------------------------------------------------------------
@@ -542,11 +619,12 @@ class WorkerRunner:
 @dataclass
 class Series:
     name: str  # label in the CSV, the legend and the summary
-    path: str  # naive / chunked / flash / sdpa-flash / sdpa-efficient / sdpa-cudnn
+    path: str  # naive / chunked / flash / sdpa-flash / sdpa-efficient / sdpa-cudnn / ring
     causal: bool = False
     window: int | None = None
     max_n: int | None = None  # longest n for this series (None: every length of the sweep)
     chunk_size: int | tuple | None = None  # blocks of a chunked series (None: --chunk-size or the default)
+    world: int = 1  # processes: a ring series cuts the sequence across `world` of them
 
 
 # The default CPU sweep, 256..16384 within about 2 minutes on 2 cores (results/cpu):
@@ -558,12 +636,14 @@ class Series:
 #   path at twice naive's wall;
 # - chunked-causal stops at 4096, where its block-skipping speed-up shows;
 # - flash-window256 stops at 4096: SDPA takes a window only as an (n, n) mask, whose memory
-#   grows as n^2.
+#   grows as n^2;
+# - ring2 cuts the sequence across 2 processes (1 thread each) and goes on to 16384.
 CPU_DEFAULT_CAPS = {"chunked": 8192, "flash": 8192, "chunked-causal": 4096, "flash-window256": 4096}
 
 
 def default_series(device, causal, window, caps=None):
-    """naive, chunked, flash (+ each fused SDPA kernel on CUDA), chunked-causal, chunked-window<w>, flash-window<w>.
+    """naive, chunked, flash (+ each fused SDPA kernel on CUDA), chunked-causal, chunked-window<w>, flash-window<w>,
+    ring2 (2 processes: gloo on CPU, NCCL where there are 2 GPUs or more).
 
     caps: {series name: longest n}, for series that need not go to the sweep's longest
     length to make their point.
@@ -576,6 +656,8 @@ def default_series(device, causal, window, caps=None):
     if window:
         series.append(Series(f"chunked-window{window}", "chunked", causal, window))
         series.append(Series(f"flash-window{window}", "flash", causal, window))  # the window as an (n, n) mask
+    if device.type == "cpu" or torch.cuda.device_count() >= 2:
+        series.append(Series("ring2", "ring", causal, world=2))
     return [replace(s, max_n=(caps or {}).get(s.name)) for s in series]
 
 
@@ -637,6 +719,7 @@ def sweep(points, runner, log, done, ceiling, say=print):
                 flops = computed_flops(p)
                 tflops = flops / (r["ms"] / 1e3) / 1e12
                 row = {**base, "kernel": r["kernel"], "ms": f"{r['ms']:.3f}", "peak_mib": f"{r['peak_mib']:.1f}",
+                       "comm_ms": "" if r.get("comm_ms") is None else f"{r['comm_ms']:.3f}",
                        "rss_mib": "" if r.get("rss_mib") is None else f"{r['rss_mib']:.1f}",
                        "tflops": f"{tflops:.4f}", "pct_matmul": f"{100 * tflops / ceiling:.1f}", "status": "ok"}
                 rss = "" if r.get("rss_mib") is None else f" (RSS {r['rss_mib']:.0f} MiB)"
@@ -845,6 +928,23 @@ def report(rows):
                     a, b = _at(curves, a_name, mode, n), _at(curves, b_name, mode, n)
                     cells.append(f"{float(a['ms']) / float(b['ms']):.2f}x" if a and b else "-")
                 lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    rings = [key for key, rs in curves.items() if rs[0]["path"] == "ring"]
+    if rings:
+        lines += ["", "## Beyond one device", "",
+                  "A ring series cuts the sequence across `world` processes (ring attention); per rank: the slowest "
+                  "rank's time and the largest rank's peak memory above its inputs (its shard of q, k, v), beside "
+                  "the chunked path in one process; communication: the share of the ring's time spent waiting for "
+                  "K/V blocks (and, in the backward, their gradients) that compute did not hide.", "",
+                  "| series | mode | n | ms | per-rank peak MiB | chunked ms | chunked peak MiB | memory / chunked "
+                  "| time / chunked | communication |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for s, mode in rings:
+            for r in curves[(s, mode)]:
+                c = _at(curves, "chunked", mode, int(r["n"]))
+                ratio = (lambda col: f"{float(r[col]) / max(float(c[col]), 1e-3):.2f}x") if c else (lambda col: "-")
+                comm = f"{float(r['comm_ms']) / float(r['ms']):.0%}" if r.get("comm_ms") else "-"
+                lines.append(f"| {s} (P={r.get('world') or '?'}) | {mode} | {r['n']} | {float(r['ms']):.1f} | "
+                             f"{float(r['peak_mib']):.1f} | {c['ms'] if c else '-'} | {c['peak_mib'] if c else '-'} | "
+                             f"{ratio('peak_mib')} | {ratio('ms')} | {comm} |")
     lines += ["", "## Claims checked", ""]
     fb = "fwd+bwd"
     if ("naive", fb) in fits:
@@ -1105,8 +1205,8 @@ def main(argv=None, runner=None):
     modes = MODES if args.mode == "both" else (args.mode,)
     batch = args.batch or (1 if device.type == "cpu" else 4)
     budget_gib = None if args.compare else args.mem_budget or (CPU_BUDGET_GIB if device.type == "cpu" else None)
-    if runner is None:  # the worker process starts at its first measurement, not here
-        runner = WorkerRunner(device.type, budget_gib and int(budget_gib * 2**30))
+    if runner is None:  # the worker processes start at their first measurement, not here
+        runner = Workers(device.type, budget_gib and int(budget_gib * 2**30))
     try:
         info = {**runner({"kind": "device", "device": device.type}), "device": device.type}
         dtype = choose_dtype(args.dtype, device, info["bf16"])
@@ -1120,7 +1220,7 @@ def main(argv=None, runner=None):
         return _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budget_gib, runner, out,
                                  command)
     finally:
-        if isinstance(runner, WorkerRunner):
+        if isinstance(runner, Workers):
             runner.close()
 
 
@@ -1152,7 +1252,7 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
                           "N": 2048 if info["device"] == "cpu" else 8192, "seconds": 2.0})["tflops"]
         points = [{"device": info["label"], "torch": torch.__version__, "dtype": dtype, "series": s.name,
                    "path": s.path, "mode": mode, "causal": s.causal, "window": s.window, "H": args.heads,
-                   "D": args.head_dim, "n": n, "B": max(1, args.tokens // n) if args.tokens else batch,
+                   "D": args.head_dim, "n": n, "B": max(1, args.tokens // n) if args.tokens else batch, "world": s.world,
                    "matmul_tflops": f"{ceiling:.4f}", "mem_budget_gib": f"{budget_gib:.3f}",
                    "chunk_size": s.chunk_size or args.chunk_size, "min_repeats": 1 if args.quick else 3,
                    "target_s": 0.2 if args.quick else args.target_seconds}

@@ -979,6 +979,138 @@ def test_training_steps_read_nothing_on_the_host_between_logs(amp):
 
 
 
+# ----------------------------------------------------------------------------- ring attention (gloo processes)
+# Each test spawns one gloo process group per world size; every rank runs all the cases of that world
+# size and sends back its errors, which the test then bounds.
+
+RING_L = 240  # divisible by 2P for P = 1, 2, 3: both layouts
+
+
+def ring_attention_case(rank, world, dtype, layout, causal):
+    """Errors of this rank's output and q, k, v gradient shards against float64 SDPA, and (16-bit) those of
+    standard attention in dtype on the same shards; P = 1 also against the chunked path itself (which rounds
+    out to the dtype before rowsum(dO * O), where the ring keeps it in float32)."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, RING_L, 32, generator=g, dtype=torch.float64) * 3 ** 0.5 for _ in range(2))
+    v, dout = (torch.randn(2, 3, RING_L, 32, generator=g, dtype=torch.float64) for _ in range(2))
+    sdpa = lambda q, k, v: sdpa64(q, k, v, None, causal)  # noqa: E731
+    tril = torch.ones(RING_L, RING_L, dtype=torch.bool).tril()
+    standard = lambda q, k, v: standard_attention(q, k, v, tril if causal else None)  # noqa: E731
+    ref = grads_of(sdpa, q, k, v, dout)
+    shard = lambda t: mt.shard_sequence(t, rank, world, layout)  # noqa: E731
+    low = [shard(t).to(dtype) for t in (q, k, v, dout)]
+    ours = grads_of(lambda q, k, v: mt.ring_attention(q, k, v, is_causal=causal, layout=layout), *low)
+    errors = {"ring": [(x.double() - shard(r)).abs().max().item() for x, r in zip(ours, ref)]}
+    if dtype != torch.float64:
+        std = grads_of(standard, *(t.to(dtype) for t in (q, k, v, dout)))
+        errors["standard"] = [(shard(s).double() - shard(r)).abs().max().item() for s, r in zip(std, ref)]
+    if world == 1:
+        chunked = grads_of(lambda q, k, v: mt.chunked_attention(q, k, v, is_causal=causal), *low)
+        errors["chunked"] = [((x.double() - c.double()).abs().max() / c.double().abs().max()).item()
+                             for x, c in zip(ours, chunked)]  # relative: one rounding of the dtype apart
+    return errors
+
+
+def ring_encoder_case(rank, world, layout, pos_encoding, causal):
+    """Errors of the sharded encoder's output shard and of its summed parameter gradients against the
+    unsharded encoder (chunked path), float64."""
+    cfg = dict(vocab_size=16, max_len=64, d_model=32, n_heads=2, n_layers=2, d_ff=64, pos_encoding=pos_encoding)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # small heads
+        torch.manual_seed(0)
+        full = mt.Encoder(mt.EncoderConfig(impl="chunked", **cfg)).double()
+        ring = mt.Encoder(mt.EncoderConfig(impl="ring", ring_layout=layout, **cfg)).double()
+    ring.load_state_dict(full.state_dict())
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 16, (2, 48), generator=g)
+    w = torch.randn(2, 48, 32, generator=g, dtype=torch.float64)
+    out = full(idx, is_causal=causal)
+    (out * w).sum().backward()
+    shard = lambda t: mt.shard_sequence(t, rank, world, layout, dim=1)  # noqa: E731
+    out_shard = ring(shard(idx), is_causal=causal)
+    (out_shard * shard(w)).sum().backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in ring.parameters()])
+    torch.distributed.all_reduce(grads)  # each rank's loss covers its shard: the gradients add up
+    want = torch.cat([p.grad.reshape(-1) for p in full.parameters()])
+    return [(out_shard - shard(out)).abs().max().item(), (grads - want).abs().max().item()]
+
+
+def ring_errors_case(rank, world):
+    """The messages of bad input, raised on every rank alike."""
+    messages = []
+    for n, layout in ((8 if rank == 0 else 6, "contiguous"), (5, "zigzag")):
+        q = torch.randn(1, 2, n, 8)
+        try:
+            mt.ring_attention(q, q, q, layout=layout)
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+RING_CASES = {"attention": ring_attention_case, "encoder": ring_encoder_case, "errors": ring_errors_case}
+
+
+def _ring_worker(rank, world, store, cases, results):
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        results.put((rank, {case: RING_CASES[case[0]](rank, world, *case[1:]) for case in cases}))
+    except BaseException:
+        import traceback
+        results.put((rank, traceback.format_exc()))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def run_ring(world, cases, folder):
+    """{case: [rank 0's result, rank 1's, ...]} of cases run by `world` gloo processes."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    results = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_ring_worker, args=(r, world, str(folder / f"store{world}"), cases, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(results.get() for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    for rank, res in got.items():
+        assert isinstance(res, dict), f"rank {rank} failed:\n{res}"
+    return {case: [got[r][case] for r in range(world)] for case in cases}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_ring_attention_equals_full_attention(world, tmp_path):
+    # float64: within 1e-10 of SDPA's math kernel on the whole sequence, output and q, k, v gradients; bfloat16:
+    # FlashAttention's rule (2x standard attention in bfloat16 + 1e-5, on the same shard); P = 1: the chunked path
+    cases = [("attention", dtype, layout, causal) for dtype in (torch.float64, torch.bfloat16)
+             for layout in mt.RING_LAYOUTS for causal in (False, True)]
+    for case, per_rank in run_ring(world, cases, tmp_path).items():
+        for errors in per_rank:
+            if case[1] == torch.float64:
+                assert max(errors["ring"]) < 1e-10, (case, errors)
+            else:
+                for name, err, std in zip(("out", "dq", "dk", "dv"), errors["ring"], errors["standard"]):
+                    assert err <= 2 * std + 1e-5, (case, name, err, std)
+            if world == 1:
+                assert max(errors["chunked"]) < (1e-12 if case[1] == torch.float64 else 2**-7), (case, errors)
+
+
+def test_ring_encoder_equals_the_unsharded_encoder_and_bad_input_is_refused(tmp_path):
+    cases = [("encoder", layout, pos, True) for layout in mt.RING_LAYOUTS for pos in POS] + [("errors",)]
+    results = run_ring(2, cases, tmp_path)
+    for case in cases[:-1]:
+        for out_err, grad_err in results[case]:
+            assert out_err < 1e-10 and grad_err < 1e-10, (case, out_err, grad_err)
+    for messages in results[("errors",)]:
+        assert "ring_attention needs shards of one shape on every rank" in messages[0]
+        assert "zigzag layout cuts the sequence into 4 equal parts" in messages[1] and "even length" in messages[1]
+    with pytest.raises(RuntimeError, match="ring_attention needs a process group"):
+        mt.ring_attention(*(torch.randn(1, 2, 8, 8) for _ in range(3)))
+
+
+POS = ("sinusoidal", "learned", "rope")
+
+
 # ----------------------------------------------------------------------------- CUDA
 
 
@@ -1200,6 +1332,19 @@ def test_study_end_to_end_measures_real_memory(tmp_path):
     assert float(rows[("chunked", 512)]["peak_mib"]) < float(naive["peak_mib"]) / 2
     assert rows[("flash", 512)]["kernel"] == "flash"
     assert "Claims checked" in (tmp_path / "summary.md").read_text()
+
+
+def test_study_measures_a_ring_series_across_two_processes(tmp_path):
+    # two real worker processes in a gloo group: per-rank rows, the time spent waiting for the ring, and the
+    # "Beyond one device" table beside the chunked path in one process
+    study.main(["--device", "cpu", "--lengths", "128,256", "--series", "chunked,ring2", "--heads", "2", "--head-dim",
+                "16", "--mode", "fwd+bwd", "--out", str(tmp_path), "--target-seconds", "0.02"])
+    rows = {(r["series"], int(r["n"])): r for r in study.read_rows(tmp_path / "study.csv")}
+    assert all(r["status"] == "ok" for r in rows.values()) and len(rows) == 4
+    ring = rows[("ring2", 256)]
+    assert ring["world"] == "2" and ring["kernel"] == "ring" and 0 <= float(ring["comm_ms"]) <= float(ring["ms"])
+    assert rows[("chunked", 256)]["comm_ms"] == "" and rows[("chunked", 256)]["world"] == "1"
+    assert "| ring2 (P=2) | fwd+bwd | 256 |" in (tmp_path / "summary.md").read_text()
 
 
 def test_an_exponent_needs_three_doublings_and_growth_above_noise():
