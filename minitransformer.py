@@ -496,7 +496,7 @@ def _sdpa_inputs(q, k, v, attn_mask, is_causal, window_size):
         return q, k, v, None, is_causal, sdpa
     whole = slice(0, q.size(-2)), slice(0, k.size(-2))
     mask = mask_block(attn_mask, *whole, is_causal=is_causal, window_size=window_size, device=q.device)
-    if mask.is_floating_point() and mask.dtype not in (q.dtype, torch.float32):
+    if mask is not None and mask.is_floating_point() and mask.dtype not in (q.dtype, torch.float32):
         mask = _finite_bias(mask, q.dtype if q.dtype.itemsize >= 4 else torch.float32)
     return q, k, v, mask, False, sdpa
 

@@ -510,6 +510,15 @@ def test_sliding_window_matches_explicit_mask(impl, causal):
     torch.testing.assert_close(out, reference(q, k, v, keep), atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_window_wider_than_the_sequence_masks_nothing(impl, causal):
+    q, k, v = make_qkv(1, 2, 20, 20, 8)
+    keep = torch.ones(20, 20, dtype=torch.bool).tril() if causal else None
+    out = run_path(impl, q, k, v, window_size=20, is_causal=causal)
+    torch.testing.assert_close(out, reference(q, k, v, keep), atol=1e-10, rtol=1e-10)
+
+
 @pytest.mark.parametrize("chunk_size", [(3, 4), (4, 3), (5, 5)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_chunked_block_skipping_at_every_window_edge(chunk_size, causal):
