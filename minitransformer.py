@@ -227,35 +227,21 @@ def _autocast_off(op):
 @_autocast_off
 def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                  seed: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
-                 window_size: Optional[int], cq: int, ck: int, out_dtype: Optional[torch.dtype] = None
+                 window_size: Optional[int], cq: int, ck: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """out (B, H, Lq, Dv) in out_dtype (default q's), and per query the row max m and log2(l),
-    (B, H, Lq, 1) in base 2, float32 or wider; a query with every key masked gets m = +inf, so
-    that its P is 0."""
+    """out (B, H, Lq, Dv), and per query the row max m and log2(l), (B, H, Lq, 1) in base 2,
+    float32 or wider; a query with every key masked gets m = +inf, so that its P is 0."""
     B, H, Lq, _ = q.shape
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # every block a view, never a copy
     acc = torch.promote_types(q.dtype, torch.float32)
-    bias = _base2_bias(attn_mask, acc)
-    out = q.new_empty(B, H, Lq, v.size(-1), dtype=out_dtype or q.dtype)
+    out = q.new_empty(B, H, Lq, v.size(-1))
     row_max, log2_sum = q.new_empty(B, H, Lq, 1, dtype=acc), q.new_empty(B, H, Lq, 1, dtype=acc)
-    row_key, col_key = _dropout_keys(seed, B, H, Lq, k.size(-2)) if dropout_p > 0.0 else (None, None)
+    options = _block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck)
     for rows in _blocks(Lq, cq):
         m = q.new_full((B, H, rows.stop - rows.start, 1), float("-inf"), dtype=acc)
         l = torch.zeros_like(m)
         o = q.new_zeros(B, H, rows.stop - rows.start, v.size(-1), dtype=acc)
-        for cols in _key_blocks(rows, k.size(-2), ck, is_causal, window_size):
-            s = _scores(q, k, bias, rows, cols, scale, is_causal, window_size)  # (B, H, cq, ck)
-            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-            # a row masked so far has m_new = -inf, and exp2(-inf - (-inf)) = NaN: the lowest
-            # finite value makes it exp2(-inf) = 0 and changes no other row
-            m_safe = m_new.clamp(min=torch.finfo(acc).min)
-            p = s.sub_(m_safe).exp2_()  # P_j, in place: no second block-sized buffer
-            alpha = torch.exp2(m - m_safe)
-            l.mul_(alpha).add_(p.sum(-1, keepdim=True))  # the normaliser counts dropped weights too
-            if dropout_p > 0.0:
-                _drop(p, _keep_bits(row_key[:, :, rows], col_key[cols], dropout_p))
-            o.mul_(alpha).add_(_matmul(p.to(v.dtype), v[:, :, cols]))  # P rounded to the inputs' dtype
-            m = m_new
+        _attend(q, k, v, rows, o, m, l, **options)
         dead = l == 0  # every key masked
         out[:, :, rows] = o / (l.masked_fill(dead, 1.0) * (1.0 - dropout_p))
         row_max[:, :, rows] = m.masked_fill(dead, float("inf"))
@@ -263,50 +249,80 @@ def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
     return out, row_max, log2_sum
 
 
+def _attend(q, k, v, rows, o, m, l, *, bias, keys, dropout_p, is_causal, scale, window_size, ck):
+    """The forward's block update: queries `rows` against every key block they see, updating their
+    running output o, row max m and normaliser l (float32) in place."""
+    for cols in _key_blocks(rows, k.size(-2), ck, is_causal, window_size):
+        s = _scores(q, k, bias, rows, cols, scale, is_causal, window_size)  # (B, H, cq, ck)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        # a row masked so far has m_new = -inf, and exp2(-inf - (-inf)) = NaN: the lowest
+        # finite value makes it exp2(-inf) = 0 and changes no other row
+        m_safe = m_new.clamp(min=torch.finfo(m.dtype).min)
+        p = s.sub_(m_safe).exp2_()  # P_j, in place: no second block-sized buffer
+        alpha = torch.exp2(m - m_safe)
+        l.mul_(alpha).add_(p.sum(-1, keepdim=True))  # the normaliser counts dropped weights too
+        if dropout_p > 0.0:
+            _drop(p, _keep_bits(keys[0][:, :, rows], keys[1][cols], dropout_p))
+        o.mul_(alpha).add_(_matmul(p.to(v.dtype), v[:, :, cols]))  # P rounded to the inputs' dtype
+        m.copy_(m_new)
+
+
 @torch.library.custom_op("minitransformer::chunked_attention_bwd", mutates_args=())
 @_autocast_off
 def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  row_max: torch.Tensor, log2_sum: torch.Tensor, attn_mask: Optional[torch.Tensor],
                  seed: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
-                 window_size: Optional[int], cq: int, ck: int, mask_grad: bool,
-                 grad_dtype: Optional[torch.dtype] = None
+                 window_size: Optional[int], cq: int, ck: int, mask_grad: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv (in grad_dtype, default their inputs'), and the gradient of a float attn_mask
-    when mask_grad (else an empty tensor)."""
-    B, H, Lq, _ = q.shape
+    """dq, dk, dv, and the gradient of a float attn_mask when mask_grad (else an empty tensor)."""
     acc = row_max.dtype
     dq, dk, dv = (torch.zeros_like(t, dtype=acc) for t in (q, k, v))  # laid out as q, k, v (register_fake)
-    dout, q, k, v = dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous()
-    bias = _base2_bias(attn_mask, acc)
     dmask = torch.zeros_like(attn_mask, dtype=acc) if mask_grad else q.new_empty(0)
-    row_key, col_key = _dropout_keys(seed, B, H, Lq, k.size(-2)) if dropout_p > 0.0 else (None, None)
-    for rows in _blocks(Lq, cq):
-        dout_i = dout[:, :, rows]  # (B, H, cq, Dv)
-        m, log2l = row_max[:, :, rows], log2_sum[:, :, rows]  # (B, H, cq, 1)
-        delta = (dout_i.to(acc) * out[:, :, rows].to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
-        for cols in _key_blocks(rows, k.size(-2), ck, is_causal, window_size):
-            s = _scores(q, k, bias, rows, cols, scale, is_causal, window_size)
-            p = s.sub_(m).sub_(log2l).exp2_()  # P_j, the forward's probabilities
-            dp = _matmul(dout_i, v[:, :, cols].transpose(-2, -1))  # (B, H, cq, ck)
-            p_dropped = p
-            if dropout_p > 0.0:  # the forward's mask; 1/(1-p) is applied to dV once, at the end
-                keep = _keep_bits(row_key[:, :, rows], col_key[cols], dropout_p)
-                p_dropped = _drop(p.clone(), keep)
-                _drop(dp, keep).mul_(1.0 / (1.0 - dropout_p))
-            dv[:, :, cols] += _matmul(p_dropped.to(q.dtype).transpose(-2, -1), dout_i)
-            ds = p.mul_(dp.sub_(delta))  # dS_j = P_j * (dP_j - delta)
-            ds_low = ds.to(q.dtype)  # rounded to the inputs' dtype for the products, as P is
-            dq[:, :, rows] += _matmul(ds_low, k[:, :, cols])
-            dk[:, :, cols] += _matmul(ds_low.transpose(-2, -1), q[:, :, rows])
-            if mask_grad:  # the mask is added to the scores: its gradient is dS, summed where it broadcasts
-                dm = dmask[..., rows if dmask.size(-2) != 1 else slice(None), :]
-                dm = dm[..., cols] if dmask.size(-1) != 1 else dm
-                dm += ds.sum_to_size(dm.shape)
+    dout, q, k, v = dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous()
+    options = _block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck)
+    for rows in _blocks(q.size(-2), cq):
+        dm = dmask if mask_grad else None
+        _attend_backward(dout, q, k, v, out, row_max, log2_sum, rows, dq, dk, dv, dm, **options)
     dq.mul_(scale)
     dk.mul_(scale)
     dv.mul_(1.0 / (1.0 - dropout_p))
-    dq, dk, dv = (g.to(grad_dtype or t.dtype) for g, t in ((dq, q), (dk, k), (dv, v)))
-    return dq, dk, dv, dmask.to(attn_mask.dtype) if mask_grad else dmask
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask.to(attn_mask.dtype) if mask_grad else dmask
+
+
+def _attend_backward(dout, q, k, v, out, row_max, log2_sum, rows, dq, dk, dv, dmask, *, bias, keys, dropout_p,
+                     is_causal, scale, window_size, ck):
+    """The backward's block update: queries `rows` against every key block they see, adding to dq,
+    dk, dv (float32; dq and dk still to be multiplied by the scale) and to a float mask's dmask."""
+    acc = row_max.dtype
+    dout_i = dout[:, :, rows]  # (B, H, cq, Dv)
+    m, log2l = row_max[:, :, rows], log2_sum[:, :, rows]  # (B, H, cq, 1)
+    delta = (dout_i.to(acc) * out[:, :, rows].to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
+    for cols in _key_blocks(rows, k.size(-2), ck, is_causal, window_size):
+        s = _scores(q, k, bias, rows, cols, scale, is_causal, window_size)
+        p = s.sub_(m).sub_(log2l).exp2_()  # P_j, the forward's probabilities
+        dp = _matmul(dout_i, v[:, :, cols].transpose(-2, -1))  # (B, H, cq, ck)
+        p_dropped = p
+        if dropout_p > 0.0:  # the forward's mask; 1/(1-p) is applied to dV once, at the end
+            keep = _keep_bits(keys[0][:, :, rows], keys[1][cols], dropout_p)
+            p_dropped = _drop(p.clone(), keep)
+            _drop(dp, keep).mul_(1.0 / (1.0 - dropout_p))
+        dv[:, :, cols] += _matmul(p_dropped.to(q.dtype).transpose(-2, -1), dout_i)
+        ds = p.mul_(dp.sub_(delta))  # dS_j = P_j * (dP_j - delta)
+        ds_low = ds.to(q.dtype)  # rounded to the inputs' dtype for the products, as P is
+        dq[:, :, rows] += _matmul(ds_low, k[:, :, cols])
+        dk[:, :, cols] += _matmul(ds_low.transpose(-2, -1), q[:, :, rows])
+        if dmask is not None:  # the mask is added to the scores: its gradient is dS, summed where broadcast
+            dm = dmask[..., rows if dmask.size(-2) != 1 else slice(None), :]
+            dm = dm[..., cols] if dmask.size(-1) != 1 else dm
+            dm += ds.sum_to_size(dm.shape)
+
+
+def _block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck):
+    """What every block update of one call shares: the base-2 bias, dropout's row and column hashes."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    keys = _dropout_keys(seed, *q.shape[:3], k.size(-2)) if dropout_p > 0.0 else None
+    return dict(bias=_base2_bias(attn_mask, acc), keys=keys, dropout_p=dropout_p, is_causal=is_causal,
+                scale=scale, window_size=window_size, ck=ck)
 
 
 _BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(a, b, out_dtype=...), CUDA
@@ -405,22 +421,21 @@ def _drop(t, keep_bits):
 
 
 @_chunked_fwd.register_fake
-def _(q, k, v, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck, out_dtype=None):
+def _(q, k, v, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck):
     acc = torch.promote_types(q.dtype, torch.float32)
     stats = q.new_empty(*q.shape[:-1], 1, dtype=acc)
-    return q.new_empty(*q.shape[:-1], v.size(-1), dtype=out_dtype or q.dtype), stats, torch.empty_like(stats)
+    return q.new_empty(*q.shape[:-1], v.size(-1)), stats, torch.empty_like(stats)
 
 
 @_chunked_bwd.register_fake
 def _(dout, q, k, v, out, row_max, log2_sum, attn_mask, seed, dropout_p, is_causal, scale, window_size,
-      cq, ck, mask_grad, grad_dtype=None):
+      cq, ck, mask_grad):
     dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
-    dq, dk, dv = (torch.empty_like(t, dtype=grad_dtype or t.dtype) for t in (q, k, v))
-    return dq, dk, dv, dmask
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
 
 def _chunked_setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, seed, *options = inputs[:11]  # not out_dtype: gradients come in the inputs' dtypes
+    q, k, v, attn_mask, seed, *options = inputs
     out, row_max, log2_sum = output
     ctx.save_for_backward(q, k, v, out, row_max, log2_sum, attn_mask, seed)
     ctx.options = options  # dropout_p, is_causal, scale, window_size, cq, ck
@@ -431,7 +446,7 @@ def _chunked_backward(ctx, dout, _drow_max, _dlog2_sum):
     mask_grad = ctx.needs_input_grad[3]  # a float mask that requires grad: a learned bias (T5, ALiBi)
     dq, dk, dv, dmask = _chunked_bwd(dout, q, k, v, out, row_max, log2_sum, attn_mask, seed, *ctx.options,
                                      mask_grad)
-    return dq, dk, dv, dmask if mask_grad else None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, dmask if mask_grad else None, None, None, None, None, None, None, None
 
 
 _chunked_fwd.register_autograd(_chunked_backward, setup_context=_chunked_setup_context)
@@ -618,61 +633,67 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal, scale, group, layout):
-        world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-        cq, ck = default_chunk_size(q.device)
-        acc = torch.promote_types(q.dtype, torch.float32)
-        out = q.new_zeros(*q.shape[:-1], v.size(-1), dtype=acc)  # (B, H, n, Dv), partial outputs in float32
-        row_max = q.new_full((*q.shape[:-1], 1), float("-inf"), dtype=acc)  # (B, H, n, 1)
-        log2_sum = torch.full_like(row_max, float("-inf"))  # l = 0: nothing seen yet
-        kv, steps = (k.contiguous(), v.contiguous()), _ring_steps(rank, world, q.size(-2), is_causal, layout)
-        for s in range(world):
-            received, requests = _ring_pass(kv, group) if s < world - 1 else (None, [])
-            for _, rows, cols, causal in (step for step in steps if step[0] == s):
-                q_s, k_s, v_s = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
-                part = _chunked_fwd(q_s, k_s, v_s, None, None, 0.0, causal, scale, None, cq, ck, acc)
-                whole = out[:, :, rows], row_max[:, :, rows], log2_sum[:, :, rows]
-                for t, merged in zip(whole, _merge_partials(*whole, *part)):
-                    t.copy_(merged)
-            _wait(requests)
-            kv = received or kv
+        out, row_max, log2_sum = _ring_forward(q, k, v, is_causal, scale, group, layout)
         ctx.save_for_backward(q, k, v, out, row_max, log2_sum)
         ctx.options = is_causal, scale, group, layout
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, row_max, log2_sum = ctx.saved_tensors
-        is_causal, scale, group, layout = ctx.options
-        world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-        cq, ck = default_chunk_size(q.device)
-        acc = out.dtype
-        dq = torch.zeros_like(q, dtype=acc)
-        kv = k.contiguous(), v.contiguous()  # what travels must be contiguous
-        dkv = torch.zeros_like(kv[0], dtype=acc), torch.zeros_like(kv[1], dtype=acc)
-        steps = _ring_steps(rank, world, q.size(-2), is_causal, layout)
-        for s in range(world):
-            received, requests = _ring_pass(kv, group) if s < world - 1 else (None, [])
-            for _, rows, cols, causal in (step for step in steps if step[0] == s):
-                q_s, k_s, v_s = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
-                stats = out[:, :, rows], row_max[:, :, rows], log2_sum[:, :, rows]  # of the whole result
-                dq_s, dk_s, dv_s, _ = _chunked_bwd(dout[:, :, rows], q_s, k_s, v_s, *stats, None, None, 0.0,
-                                                   causal, scale, None, cq, ck, False, acc)
-                dq[:, :, rows] += dq_s
-                dkv[0][:, :, cols] += dk_s
-                dkv[1][:, :, cols] += dv_s
-            # the block's gradients go on with it; after the last step they go home
-            dkv_received, dkv_requests = _ring_pass(dkv, group) if world > 1 else (dkv, [])
-            _wait(requests + dkv_requests)
-            kv, dkv = received or kv, dkv_received
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        dq, dk, dv = _ring_backward(dout, *ctx.saved_tensors, *ctx.options)
+        return dq, dk, dv, None, None, None, None
 
 
-def _merge_partials(out, row_max, log2_sum, out_s, row_max_s, log2_sum_s):
-    """Two attention results over disjoint keys, each normalised by its own row max and sum (base 2),
-    as one: the online softmax's update, for whole blocks (float32)."""
-    m = torch.maximum(row_max, row_max_s)
-    w, w_s = torch.exp2(row_max - m + log2_sum), torch.exp2(row_max_s - m + log2_sum_s)
-    return (w * out + w_s * out_s) / (w + w_s), m, torch.log2(w + w_s)
+@_autocast_off
+def _ring_forward(q, k, v, is_causal, scale, group, layout):
+    """out (float32), row max and log2 of the normaliser, after P steps of the chunked forward's block
+    update, continued from one visiting K/V block to the next."""
+    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    cq, ck = default_chunk_size(q.device)
+    q = q.contiguous()
+    acc = torch.promote_types(q.dtype, torch.float32)
+    o = q.new_zeros(*q.shape[:-1], v.size(-1), dtype=acc)  # (B, H, n, Dv): the running output, float32
+    m = q.new_full((*q.shape[:-1], 1), float("-inf"), dtype=o.dtype)  # (B, H, n, 1)
+    l = torch.zeros_like(m)
+    kv, steps = (k.contiguous(), v.contiguous()), _ring_steps(rank, world, q.size(-2), is_causal, layout)
+    for s in range(world):
+        received, requests = _ring_pass(kv, group) if s < world - 1 else (None, [])
+        for _, rows, cols, causal in (step for step in steps if step[0] == s):
+            q_s, k_s, v_s = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
+            options = _block_options(q_s, k_s, None, None, 0.0, causal, scale, None, ck)
+            for block in _blocks(q_s.size(-2), cq):
+                state = (t[:, :, rows][:, :, block] for t in (o, m, l))
+                _attend(q_s, k_s, v_s, block, *state, **options)
+        _wait(requests)
+        kv = received or kv
+    return o.div_(l), m, torch.log2(l)
+
+
+@_autocast_off
+def _ring_backward(dout, q, k, v, out, row_max, log2_sum, is_causal, scale, group, layout):
+    """dq, dk, dv: the chunked backward's block update for every step, against the final row statistics;
+    dK and dV travel with their block and arrive home after the last step."""
+    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    cq, ck = default_chunk_size(q.device)
+    dout, q = dout.contiguous(), q.contiguous()
+    kv = k.contiguous(), v.contiguous()  # what travels must be contiguous
+    dq = torch.zeros_like(q, dtype=out.dtype)
+    dkv = torch.zeros_like(kv[0], dtype=out.dtype), torch.zeros_like(kv[1], dtype=out.dtype)
+    steps = _ring_steps(rank, world, q.size(-2), is_causal, layout)
+    for s in range(world):
+        received, requests = _ring_pass(kv, group) if s < world - 1 else (None, [])
+        for _, rows, cols, causal in (step for step in steps if step[0] == s):
+            q_s, k_s, v_s = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
+            grads = dq[:, :, rows], dkv[0][:, :, cols], dkv[1][:, :, cols]
+            stats = dout[:, :, rows], out[:, :, rows], row_max[:, :, rows], log2_sum[:, :, rows]
+            options = _block_options(q_s, k_s, None, None, 0.0, causal, scale, None, ck)
+            for block in _blocks(q_s.size(-2), cq):
+                _attend_backward(stats[0], q_s, k_s, v_s, *stats[1:], block, *grads, None, **options)
+        dkv_received, dkv_requests = _ring_pass(dkv, group) if world > 1 else (dkv, [])  # on with their block
+        _wait(requests + dkv_requests)
+        kv, dkv = received or kv, dkv_received
+    dq.mul_(scale)
+    return dq.to(q.dtype), dkv[0].mul_(scale).to(k.dtype), dkv[1].to(v.dtype)
 
 
 # -----------------------------------------------------------------------------
