@@ -583,6 +583,7 @@ def shard_sequence(x, rank, world_size, layout="contiguous", dim=-2):
     return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim)
 
 
+@torch.compiler.disable  # point-to-point messages have no place in a compiled graph
 def ring_attention(q, k, v, is_causal=False, scale=None, *, group=None, layout="contiguous"):
     """softmax(Q K^T * scale) V over a sequence sharded across the ranks of a process group.
 
@@ -613,8 +614,8 @@ def _ring_pass(tensors, group):
     """Start sending `tensors` to the next rank and receiving their like from the previous one:
     (the received tensors, the requests to wait on before reading them)."""
     world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-    nxt = torch.distributed.get_global_rank(group, (rank + 1) % world) if group else (rank + 1) % world
-    prv = torch.distributed.get_global_rank(group, (rank - 1) % world) if group else (rank - 1) % world
+    to_global = (lambda r: r) if group is None else (lambda r: torch.distributed.get_global_rank(group, r))
+    nxt, prv = to_global((rank + 1) % world), to_global((rank - 1) % world)
     received = [torch.empty_like(t) for t in tensors]
     ops = [torch.distributed.P2POp(torch.distributed.isend, t, nxt, group) for t in tensors]
     ops += [torch.distributed.P2POp(torch.distributed.irecv, t, prv, group) for t in received]
@@ -639,6 +640,7 @@ class _RingAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         dq, dk, dv = _ring_backward(dout, *ctx.saved_tensors, *ctx.options)
         return dq, dk, dv, None, None, None, None
@@ -740,8 +742,8 @@ class MultiHeadAttention(nn.Module):
         if need_weights:  # only the naive path materialises the weights
             y, weights = naive_attention(q, k, v, attn_mask, p, is_causal, window_size=self.window_size)
         elif self.impl == "ring":
-            if attn_mask is not None or p > 0.0:
-                raise ValueError("impl='ring' takes no attn_mask and no dropout")
+            if attn_mask is not None or p > 0.0 or self.window_size is not None:
+                raise ValueError("impl='ring' takes no attn_mask, no dropout and no window_size")
             y = ring_attention(q, k, v, is_causal, layout=self.ring_layout)
         else:
             y = attention(q, k, v, attn_mask, p, is_causal, impl=self.impl, window_size=self.window_size,
@@ -1019,6 +1021,8 @@ class Encoder(nn.Module):
 
     def attention_weights(self, idx, attn_mask=None, is_causal=False, layer=-1):
         """Attention probabilities (B, H, T, T) of one layer, through the naive path: what a heatmap shows."""
+        if self.config.impl == "ring":
+            raise ValueError("attention_weights needs the whole sequence on one device: not with impl='ring'")
         layer = range(len(self.layers))[layer]  # negative indices count from the last layer
         x, _ = self._embed(idx)
         for block in self.layers[:layer]:
@@ -1557,15 +1561,23 @@ def _check_ring_args(q, k, v, scale, group, layout):
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise RuntimeError("ring_attention needs a process group: call torch.distributed.init_process_group "
                            "first (torchrun sets up its environment)")
-    _, scale = _check_attention_args(q, k, v, None, 0.0, scale, None)
-    if q.size(-2) != k.size(-2):
-        raise ValueError(f"ring_attention's q and k shards must be as long: {q.size(-2)} and {k.size(-2)}")
-    world = torch.distributed.get_world_size(group)
-    _check_ring_layout(q.size(-2) * world, world, layout)
-    shapes = [None] * world  # a shard of another length would make the ring exchange fail or hang
-    torch.distributed.all_gather_object(shapes, (tuple(q.shape), tuple(v.shape)), group=group)
-    if len(set(shapes)) > 1:
-        raise ValueError(f"ring_attention needs shards of one shape on every rank, got (q, v) {shapes}")
+    world, problem = torch.distributed.get_world_size(group), None
+    try:  # every rank must refuse together: one that raised alone would leave the others waiting for it
+        _, scale = _check_attention_args(q, k, v, None, 0.0, scale, None)
+        if q.size(-2) != k.size(-2):
+            raise ValueError(f"q and k shards must be as long, got {q.size(-2)} and {k.size(-2)}")
+        _check_ring_layout(q.size(-2) * world, world, layout)
+    except (TypeError, ValueError) as e:
+        problem = str(e)
+    seen = [None] * world  # a shard of another shape or dtype would make the ring exchange fail or hang
+    shard = (tuple(q.shape), tuple(v.shape), str(q.dtype), layout)
+    torch.distributed.all_gather_object(seen, (problem, shard), group=group)
+    refused = [f"rank {i}: {p}" for i, (p, _) in enumerate(seen) if p]
+    if refused:
+        raise ValueError("ring_attention refused its input on " + "; ".join(refused))
+    if len({shard for _, shard in seen}) > 1:
+        raise ValueError("ring_attention needs shards of one shape, dtype and layout on every rank, got "
+                         f"{[shard for _, shard in seen]}")
     return scale
 
 

@@ -400,7 +400,10 @@ def measure_point(spec):
 
 def _ring_wait_ms(work, step):
     """Milliseconds one ring step spends waiting for K/V blocks (and their gradients) that compute did not
-    hide: the "ring_attention.wait" regions of minitransformer, read through the profiler."""
+    hide: the "ring_attention.wait" regions of minitransformer, read through the profiler. None on CUDA,
+    where NCCL's wait does not block the host."""
+    if work.device.type == "cuda":
+        return None
     work.clear_grads()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step()
@@ -566,7 +569,10 @@ class WorkerRunner:
                 if answers[i] is None or answers[i][0] != "ok":
                     deadline = deadline or time.time() + 60
         answers = [answers.get(i) for i in range(self.world)]
-        if any(answer is None for answer in answers):
+        said = [answer for answer in answers if answer is not None and answer[0] != "ok"]
+        if said:  # a rank that said why: the others (None) were only left waiting for it
+            answers = said
+        elif any(answer is None for answer in answers):
             codes = [proc.exitcode for proc in self.procs]
             self._stop()
             if self.device == "cuda":  # a GPU out of memory raises in the worker; a dead worker is a crash
@@ -584,8 +590,8 @@ class WorkerRunner:
         results = [payload for _, payload in answers]
         if self.world == 1:
             return results[0]
-        worst = {name: max(r[name] for r in results) for name in ("ms", "comm_ms", "peak_mib")}
-        worst["rss_mib"] = None if results[0]["rss_mib"] is None else max(r["rss_mib"] for r in results)
+        worst = {name: None if results[0][name] is None else max(r[name] for r in results)
+                 for name in ("ms", "comm_ms", "peak_mib", "rss_mib")}
         return {**results[0], **worst}  # per rank: the slowest rank's time, the largest memory
 
     def close(self):
@@ -903,7 +909,7 @@ def report(rows):
     lines += ["", "Ratios at the largest n that both paths reached (naive / path: > 1 means the path uses less "
               "memory or time):", ""]
     for mode in MODES:
-        for other in [s for s, m in curves if m == mode and s != "naive"]:
+        for other in [s for s, m in curves if m == mode and s != "naive" and curves[(s, m)][0]["path"] != "ring"]:
             common = sorted({int(r["n"]) for r in curves.get(("naive", mode), [])} &
                             {int(r["n"]) for r in curves[(other, mode)]})
             if common:

@@ -7,6 +7,7 @@ low precision (its attention_ref with upcast=False), each against float64, plus 
 where stated.
 """
 
+import datetime
 import math
 import os
 import subprocess
@@ -1045,9 +1046,9 @@ def ring_encoder_case(rank, world, layout, pos_encoding, causal):
 
 
 def ring_errors_case(rank, world):
-    """The messages of bad input, raised on every rank alike."""
+    """The messages of bad input, raised on every rank alike, also where one rank alone is wrong."""
     messages = []
-    for n, layout in ((8 if rank == 0 else 6, "contiguous"), (5, "zigzag")):
+    for n, layout in ((8 if rank == 0 else 6, "contiguous"), (5, "zigzag"), (5 if rank == 0 else 6, "zigzag")):
         q = torch.randn(1, 2, n, 8)
         try:
             mt.ring_attention(q, q, q, layout=layout)
@@ -1061,7 +1062,8 @@ RING_CASES = {"attention": ring_attention_case, "encoder": ring_encoder_case, "e
 
 def _ring_worker(rank, world, store, cases, results):
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(seconds=60))  # a hang fails, not waits
     try:
         results.put((rank, {case: RING_CASES[case[0]](rank, world, *case[1:]) for case in cases}))
     except BaseException:
@@ -1074,12 +1076,12 @@ def _ring_worker(rank, world, store, cases, results):
 def run_ring(world, cases, folder):
     """{case: [rank 0's result, rank 1's, ...]} of cases run by `world` gloo processes."""
     ctx = torch.multiprocessing.get_context("spawn")
-    results = ctx.SimpleQueue()
+    results = ctx.Queue()
     procs = [ctx.Process(target=_ring_worker, args=(r, world, str(folder / f"store{world}"), cases, results))
              for r in range(world)]
     for p in procs:
         p.start()
-    got = dict(results.get() for _ in procs)
+    got = dict(results.get(timeout=180) for _ in procs)  # a rank that died unreported fails the test
     for p in procs:
         p.join(timeout=60)
     for rank, res in got.items():
@@ -1111,8 +1113,10 @@ def test_ring_encoder_equals_the_unsharded_encoder_and_bad_input_is_refused(tmp_
         for out_err, grad_err in results[case]:
             assert out_err < 1e-10 and grad_err < 1e-10, (case, out_err, grad_err)
     for messages in results[("errors",)]:
-        assert "ring_attention needs shards of one shape on every rank" in messages[0]
-        assert "zigzag layout cuts the sequence into 4 equal parts" in messages[1] and "even length" in messages[1]
+        assert len(messages) == 3  # every case raised on every rank: none left another waiting
+        assert "ring_attention needs shards of one shape, dtype and layout on every rank" in messages[0]
+        assert "rank 0: a zigzag layout cuts the sequence into 4 equal parts" in messages[1] and "even" in messages[1]
+        assert "refused its input on rank 0:" in messages[2] and "rank 1" not in messages[2]
     with pytest.raises(RuntimeError, match="ring_attention needs a process group"):
         mt.ring_attention(*(torch.randn(1, 2, 8, 8) for _ in range(3)))
 
