@@ -596,17 +596,18 @@ def ring_attention(q, k, v, is_causal=False, scale=None, *, group=None, layout="
 
 
 def _ring_steps(rank, world, n, is_causal, layout):
-    """(s, rows, cols, causal) of every step that computes: the local query rows and visiting key
-    columns that see each other, and whether within them causality still masks (the diagonal)."""
+    """For each step s, the work it computes: [(rows, cols, causal)], the local query rows and visiting
+    key columns that see each other and whether causality still masks within them (the diagonal);
+    [] for a step that causality masks entirely."""
     steps, whole, half = [], slice(0, n), n // 2
     for s in range(world):
         j = (rank - s) % world  # the rank whose K/V block is here
         if not is_causal or j == rank:
-            steps.append((s, whole, whole, is_causal))
-        elif layout == "contiguous" and j < rank:
-            steps.append((s, whole, whole, False))
-        elif layout == "zigzag":  # chunk x sees all of chunk y < x: the earlier half of j's block, or
-            steps.append((s, whole, slice(0, half), False) if j < rank else (s, slice(half, n), whole, False))
+            steps.append([(whole, whole, is_causal)])
+        elif layout == "contiguous":
+            steps.append([(whole, whole, False)] if j < rank else [])
+        else:  # zigzag: chunk x sees all of chunk y < x: the earlier half of j's block, or its later queries
+            steps.append([(whole, slice(0, half), False) if j < rank else (slice(half, n), whole, False)])
     return steps
 
 
@@ -660,7 +661,7 @@ def _ring_forward(q, k, v, is_causal, scale, group, layout):
     kv, steps = (k.contiguous(), v.contiguous()), _ring_steps(rank, world, q.size(-2), is_causal, layout)
     for s in range(world):
         received, requests = _ring_pass(kv, group) if s < world - 1 else (None, [])
-        for _, rows, cols, causal in (step for step in steps if step[0] == s):
+        for rows, cols, causal in steps[s]:
             q_s, k_s, v_s = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
             options = _block_options(q_s, k_s, None, None, 0.0, causal, scale, None, ck)
             for block in _blocks(q_s.size(-2), cq):
@@ -684,13 +685,13 @@ def _ring_backward(dout, q, k, v, out, row_max, log2_sum, is_causal, scale, grou
     steps = _ring_steps(rank, world, q.size(-2), is_causal, layout)
     for s in range(world):
         received, requests = _ring_pass(kv, group) if s < world - 1 else (None, [])
-        for _, rows, cols, causal in (step for step in steps if step[0] == s):
+        for rows, cols, causal in steps[s]:
             q_s, k_s, v_s = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
             grads = dq[:, :, rows], dkv[0][:, :, cols], dkv[1][:, :, cols]
-            stats = dout[:, :, rows], out[:, :, rows], row_max[:, :, rows], log2_sum[:, :, rows]
+            stats = out[:, :, rows], row_max[:, :, rows], log2_sum[:, :, rows]  # of the whole result
             options = _block_options(q_s, k_s, None, None, 0.0, causal, scale, None, ck)
             for block in _blocks(q_s.size(-2), cq):
-                _attend_backward(stats[0], q_s, k_s, v_s, *stats[1:], block, *grads, None, **options)
+                _attend_backward(dout[:, :, rows], q_s, k_s, v_s, *stats, block, *grads, None, **options)
         dkv_received, dkv_requests = _ring_pass(dkv, group) if world > 1 else (dkv, [])  # on with their block
         _wait(requests + dkv_requests)
         kv, dkv = received or kv, dkv_received
