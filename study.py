@@ -821,10 +821,15 @@ def plot(rows, out_dir, title):
     walls = memory_wall(rows)
     budgets = {b for *_, b in walls if b}
     budget_mib = 1024 * budgets.pop() if len(budgets) == 1 else None  # runs resumed under another budget: no line
+    modes = [m for m in MODES if any(r["mode"] == m for r in rows)]  # a panel for each mode measured
+
+    def panels():
+        return plt.subplots(1, len(modes), figsize=(12 if len(modes) > 1 else 10, 4.8), sharey=True, squeeze=False)
+
     for what, col, unit in (("memory", "peak_mib", "peak memory above the inputs (MiB, allocator)"),
                             ("time", "ms", "time (ms)")):
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
-        for ax, mode in zip(axes, MODES):
+        fig, (axes,) = panels()
+        for ax, mode in zip(axes, modes):
             for s in series:
                 if rs := curves.get((s, mode)):
                     ax.loglog([int(r["n"]) for r in rs], [max(float(r[col]), 1e-3) for r in rs], "-", base=2,
@@ -837,8 +842,10 @@ def plot(rows, out_dir, title):
                                 label=f"{s}: out of memory at n={oom}")
             decorate(ax, mode)
         save(fig, axes, unit, what)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
-    for ax, mode in zip(axes, MODES):
+    if not any(s == "naive" for s, _ in curves):  # nothing to compare with
+        return files
+    fig, (axes,) = panels()
+    for ax, mode in zip(axes, modes):
         naive = {int(r["n"]): float(r["ms"]) for r in curves.get(("naive", mode), [])}
         for s in series:
             rs = [r for r in curves.get((s, mode), []) if int(r["n"]) in naive]
