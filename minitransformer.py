@@ -4,6 +4,7 @@ minitransformer: a Transformer encoder in one file, with three attention paths.
 Read it top-down: masks, the three attention paths (naive, chunked, flash), multi-head
 attention, positional encodings, the encoder layer, the config and the encoder, then the
 training loop and its command line; input checks come last, out of the algorithms' way.
+ring_attention.py continues the chunked path across devices.
 
 References:
 1) Vaswani et al. 2017, "Attention Is All You Need": https://arxiv.org/abs/1706.03762
@@ -22,7 +23,8 @@ The attention paths share the signature and conventions of F.scaled_dot_product_
   and only -inf masks a key; integer masks are refused, as SDPA refuses them;
 - is_causal: query i sees keys j <= i; with an attn_mask both apply (SDPA refuses the pair);
 - window_size=w: query i sees keys with |i - j| <= w (with is_causal: 0 <= i - j <= w);
-- a query whose keys are all masked gets a zero output and zero gradients, never NaN.
+- a query whose keys are all masked gets a zero output and zero gradients, never NaN;
+- under autocast, float32 q, k, v are computed and returned in autocast's dtype, as by SDPA.
 In float16 and bfloat16 every path meets FlashAttention's rule: its error against float64 is at
 most twice that of standard attention computed in the inputs' dtype. Every module and path
 compiles with torch.compile(fullgraph=True) and reads no tensor value on the host in its
@@ -30,6 +32,7 @@ forward or backward.
 """
 
 import argparse
+import contextlib
 import functools
 import gc
 import math
@@ -48,8 +51,9 @@ IMPLS = ("naive", "chunked", "flash")
 POS_ENCODINGS = ("sinusoidal", "learned", "rope")
 
 # -----------------------------------------------------------------------------
-# Masks. mask_block gives the mask of any block of the score matrix: naive and flash ask
-# for the whole matrix, chunked for one block at a time.
+# Masks: which keys a query sees. One visibility rule serves every path: naive and flash ask
+# mask_block for the whole score matrix, chunked for one block at a time, and chunked visits
+# only the key blocks that the rule leaves visible (_key_blocks).
 
 
 def causal_mask(Lq, Lk=None, device=None):
@@ -76,9 +80,8 @@ def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, devi
     """The mask of scores[..., rows, cols] (rows, cols: slices of query and key positions).
 
     Returns a bool mask (True = keep), a float mask (added to the scores), or None (keep
-    every key), broadcastable to (B, H, rows, cols). attn_mask has passed
-    _check_attention_args. Causality and the window are built from positions, and only for
-    a block that straddles the diagonal or the window's edge.
+    every key), broadcastable to (B, H, rows, cols). Causality and the window are built from
+    positions, and only for a block that straddles the diagonal or the window's edge.
     """
     q0, q1, k0, k1 = rows.start, rows.stop, cols.start, cols.stop
     causal = is_causal and k1 - 1 > q0  # some key lies after some query
@@ -101,6 +104,21 @@ def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, devi
     if keep is None:
         return m
     return m & keep if m.dtype == torch.bool else m.masked_fill(~keep, float("-inf"))
+
+
+def _key_blocks(rows, Lk, ck, is_causal, window_size):
+    """Slices of the key blocks of size ck that queries `rows` can see: blocks that causality or the window
+    hide are never computed, and the visited range is cut to the visible keys."""
+    lo, hi = 0, Lk
+    if is_causal:
+        hi = min(hi, rows.stop)  # keys j <= i < rows.stop
+    if window_size is not None:
+        lo, hi = max(lo, rows.start - window_size), min(hi, rows.stop + window_size)
+    return [slice(k0, min(k0 + ck, hi)) for k0 in range(lo, hi, ck)]
+
+
+def _blocks(L, size):
+    return [slice(i, min(i + size, L)) for i in range(0, L, size)]
 
 
 def _apply_mask(scores, mask):
@@ -144,17 +162,16 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 
     Returns out (B, H, Lq, Dv) and the weights (B, H, Lq, Lk) it used, after dropout, so
     that out == weights @ v. Standard attention as it is written: computed in the inputs'
-    dtype (softmax accumulates in float32 inside), except that a float mask is added in float32
-    or wider; autocast does not reach inside.
+    dtype (softmax accumulates in float32 inside), a float mask added in float32 or wider.
     """
-    attn_mask, scale = _check_attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
+    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
     Lq, Lk = q.size(-2), k.size(-2)
     mask = mask_block(attn_mask, slice(0, Lq), slice(0, Lk), is_causal=is_causal, window_size=window_size,
                       device=q.device)
     dead = None
     if mask is not None:
         mask, dead = _reopen_dead_rows(mask)
-    with torch.autocast(q.device.type, enabled=False):  # the inputs' dtype decides, as for any function
+    with _no_autocast(q):  # the inputs' dtype decides, as in any function
         scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Lq, Lk)
         weights = torch.softmax(_apply_mask(scores, mask), dim=-1).to(v.dtype)
         if dead is not None:
@@ -165,32 +182,75 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 
 
 # -----------------------------------------------------------------------------
-# Path 2: chunked attention: an online softmax over blocks, forward and backward by hand.
+# Path 2: chunked attention, FlashAttention-2's online softmax written out in PyTorch.
 #
-# Forward. For one block of queries, visit the keys block by block. With a running row max
-# m, normaliser l and output o, a block of scores S_j = Q K_j^T * scale + M_j updates
-#     m' = max(m, rowmax(S_j)),   P_j = exp(S_j - m'),   alpha = exp(m - m'),
-#     l' = alpha * l + rowsum(P_j),   o' = alpha * o + P_j V_j,
-# and at the end out = o / l. Only one (cq, ck) block of scores exists at a time: memory is
-# linear in the length. m and log(l) are saved for the backward, kept apart (a finfo.min
-# bias makes m so large that m + log(l) would round to m).
-#
-# Backward (FlashAttention-2, Algorithm 2). Recompute P_j = exp(S_j - m - log(l)), then
-#     dV_j += P_j^T dO,   dP_j = dO V_j^T,   dS_j = P_j * (dP_j - rowsum(dO * O)),
-#     dQ += dS_j K_j * scale,   dK_j += dS_j^T Q * scale,   dM_j = dS_j (a float mask).
-#
-# Precision, FlashAttention-2's recipe: every product takes its operands in the inputs' dtype
-# and accumulates in float32 (tensor cores, on a GPU): S_j = Q K_j^T, P~_j V_j, dO V_j^T,
-# P~_j^T dO, dS~_j K_j, dS~_j^T Q, where P~ and dS~ are P and dS rounded to the inputs' dtype.
-# S, P, dS, m, l and the rescaling stay in float32; the scale multiplies S in float32.
-#
-# Dropout multiplies P_j by a keep-mask Z_j in the products with V and dO, and divides by
-# 1 - p. Z is a hash of (seed, b, h, i, j): the backward regenerates it without storing it.
-# Scores are kept in base 2, exp(x) = exp2(x * log2(e)), as in FlashAttention: exp2 is the
-# cheaper instruction. The block loops are one torch.library.custom_op: torch.compile sees
-# one call with known output shapes and never unrolls them.
+# The (Lq, Lk) scores never exist: the queries are taken a block of rows at a time, and each
+# block visits the key blocks (cols) it sees, keeping per query a running row max m, a
+# normaliser l and an unnormalised output o. At the end out = o / l. One (cq, ck) block of
+# scores exists at a time: memory is linear in the length. Scores are kept in base 2,
+# exp(x) = exp2(x * log2(e)), as in FlashAttention: exp2 is the cheaper instruction.
 
 LOG2E = math.log2(math.e)
+
+
+def attend_block(q, k, v, rows, o, m, l, opts):
+    """The forward's block update: queries `rows` against every key block j they see.
+
+        S_j = Q K_j^T * scale * log2(e) + M_j        (base 2; M_j the mask of the block)
+        m' = max(m, rowmax(S_j)),   P_j = exp2(S_j - m'),   alpha = exp2(m - m'),
+        l' = alpha * l + rowsum(P_j),   o' = alpha * o + P_j V_j
+
+    o (B, H, rows, Dv), m and l (B, H, rows, 1), float32 (float64 for float64), are updated in
+    place; opts: block_options. l counts dropped weights too, so dropout keeps the expectation.
+    """
+    for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size):
+        s = _scores(q, k, rows, cols, opts)  # (B, H, cq, ck)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        # a row masked so far has m_new = -inf, and exp2(-inf - (-inf)) = NaN: the lowest
+        # finite value makes it exp2(-inf) = 0 and changes no other row
+        m_safe = m_new.clamp(min=torch.finfo(m.dtype).min)
+        p = s.sub_(m_safe).exp2_()  # P_j, in place: no second block-sized buffer
+        alpha = torch.exp2(m - m_safe)
+        l.mul_(alpha).add_(p.sum(-1, keepdim=True))
+        if opts.dropout_p > 0.0:
+            _drop(p, _keep_bits(opts.row_hash[:, :, rows], opts.col_hash[cols], opts.dropout_p))
+        o.mul_(alpha).add_(_matmul(p.to(v.dtype), v[:, :, cols]))  # P rounded to the inputs' dtype
+        m.copy_(m_new)
+
+
+def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask, opts):
+    """The backward's block update: queries `rows` against every key block j they see.
+
+        P_j = exp2(S_j - m - log2(l))      (the forward's probabilities, recomputed)
+        dV_j += P_j^T dO,   dP_j = dO V_j^T,   dS_j = P_j * (dP_j - rowsum(dO * O)),
+        dQ += dS_j K_j,   dK_j += dS_j^T Q,   dM_j = dS_j (a float mask)
+
+    dq, dk, dv (float32) are added to in place, dq and dk without the scale (applied once, at
+    the end), and dmask, a float mask's gradient, when it is not None. The loop runs in the
+    forward's order, query blocks outside, adding into dK and dV across them. FlashAttention-2's
+    Algorithm 2 loops the other way, key blocks outside, so that dK_j and dV_j stay on chip and
+    dQ is added to in memory instead.
+    """
+    dout_i = dout[:, :, rows]  # (B, H, cq, Dv)
+    m, log2_l = m[:, :, rows], log2_l[:, :, rows]  # (B, H, cq, 1)
+    delta = (dout_i.to(m.dtype) * out[:, :, rows].to(m.dtype)).sum(-1, keepdim=True)  # rowsum(dO * O)
+    for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size):
+        p = _scores(q, k, rows, cols, opts).sub_(m).sub_(log2_l).exp2_()  # P_j
+        dp = _matmul(dout_i, v[:, :, cols].transpose(-2, -1))  # (B, H, cq, ck)
+        p_dropped = p
+        if opts.dropout_p > 0.0:  # the forward's mask; 1/(1-p) is applied to dV once, at the end
+            keep = _keep_bits(opts.row_hash[:, :, rows], opts.col_hash[cols], opts.dropout_p)
+            p_dropped = _drop(p.clone(), keep)
+            _drop(dp, keep).mul_(1.0 / (1.0 - opts.dropout_p))
+        dv[:, :, cols] += _matmul(p_dropped.to(q.dtype).transpose(-2, -1), dout_i)
+        ds = p.mul_(dp.sub_(delta))  # dS_j
+        ds_low = ds.to(q.dtype)  # rounded to the inputs' dtype for the products, as P is
+        dq[:, :, rows] += _matmul(ds_low, k[:, :, cols])
+        dk[:, :, cols] += _matmul(ds_low.transpose(-2, -1), q[:, :, rows])
+        if dmask is not None:  # the mask is added to the scores: its gradient is dS, summed where broadcast
+            dm = dmask[..., rows if dmask.size(-2) != 1 else slice(None), :]
+            dm = dm[..., cols] if dmask.size(-1) != 1 else dm
+            dm += ds.sum_to_size(dm.shape)
 
 
 def default_chunk_size(device):
@@ -207,10 +267,37 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     is_causal or window_size hide are skipped. Gradients flow to q, k, v and to a float
     attn_mask that requires grad. Dropout's seed is drawn from the device's generator.
     """
-    attn_mask, scale = _check_attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
+    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
     cq, ck = _chunks(default_chunk_size(q.device) if chunk_size is None else chunk_size)
     seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
     return _chunked_fwd(q, k, v, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck)[0]
+
+
+# The plumbing of the chunked path: the block loops as one custom operator, its products'
+# precision, and dropout's hash. torch.compile sees one call with known output shapes and
+# never unrolls the loops.
+
+
+@dataclass
+class BlockOptions:
+    """What every block update of one call shares (block_options)."""
+    scale: float
+    is_causal: bool
+    window_size: Optional[int]
+    ck: int  # key block size
+    bias: Optional[torch.Tensor]  # the attn_mask; a float one in base 2, in float32 or wider
+    dropout_p: float
+    row_hash: Optional[torch.Tensor]  # dropout: hashes of the rows (b, h, i), (B, H, Lq, 1), int32
+    col_hash: Optional[torch.Tensor]  # and of the key columns j, (Lk,)
+
+
+def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck):
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)
+    bias = attn_mask
+    if attn_mask is not None and attn_mask.is_floating_point():
+        bias = _finite_bias(attn_mask, acc_dtype, LOG2E)
+    hashes = _dropout_hashes(seed, *q.shape[:3], k.size(-2)) if dropout_p > 0.0 else (None, None)
+    return BlockOptions(scale, is_causal, window_size, ck, bias, dropout_p, *hashes)
 
 
 def _autocast_off(op):
@@ -229,101 +316,72 @@ def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
                  seed: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
                  window_size: Optional[int], cq: int, ck: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """out (B, H, Lq, Dv), and per query the row max m and log2(l), (B, H, Lq, 1) in base 2,
-    float32 or wider; a query with every key masked gets m = +inf, so that its P is 0."""
+    """out (B, H, Lq, Dv), and per query the row max m and log2(l), (B, H, Lq, 1), float32 or
+    wider; a query with every key masked gets m = +inf, so that its recomputed P is 0."""
     B, H, Lq, _ = q.shape
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # every block a view, never a copy
-    acc = torch.promote_types(q.dtype, torch.float32)
+    opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck)
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)
     out = q.new_empty(B, H, Lq, v.size(-1))
-    row_max, log2_sum = q.new_empty(B, H, Lq, 1, dtype=acc), q.new_empty(B, H, Lq, 1, dtype=acc)
-    options = _block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck)
+    m_all, log2_l = (q.new_empty(B, H, Lq, 1, dtype=acc_dtype) for _ in range(2))
     for rows in _blocks(Lq, cq):
-        m = q.new_full((B, H, rows.stop - rows.start, 1), float("-inf"), dtype=acc)
+        m = q.new_full((B, H, rows.stop - rows.start, 1), float("-inf"), dtype=acc_dtype)
         l = torch.zeros_like(m)
-        o = q.new_zeros(B, H, rows.stop - rows.start, v.size(-1), dtype=acc)
-        _attend(q, k, v, rows, o, m, l, **options)
+        o = q.new_zeros(B, H, rows.stop - rows.start, v.size(-1), dtype=acc_dtype)
+        attend_block(q, k, v, rows, o, m, l, opts)
         dead = l == 0  # every key masked
         out[:, :, rows] = o / (l.masked_fill(dead, 1.0) * (1.0 - dropout_p))
-        row_max[:, :, rows] = m.masked_fill(dead, float("inf"))
-        log2_sum[:, :, rows] = torch.log2(l.masked_fill(dead, 1.0))
-    return out, row_max, log2_sum
-
-
-def _attend(q, k, v, rows, o, m, l, *, bias, keys, dropout_p, is_causal, scale, window_size, ck):
-    """The forward's block update: queries `rows` against every key block they see, updating their
-    running output o, row max m and normaliser l (float32) in place."""
-    for cols in _key_blocks(rows, k.size(-2), ck, is_causal, window_size):
-        s = _scores(q, k, bias, rows, cols, scale, is_causal, window_size)  # (B, H, cq, ck)
-        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-        # a row masked so far has m_new = -inf, and exp2(-inf - (-inf)) = NaN: the lowest
-        # finite value makes it exp2(-inf) = 0 and changes no other row
-        m_safe = m_new.clamp(min=torch.finfo(m.dtype).min)
-        p = s.sub_(m_safe).exp2_()  # P_j, in place: no second block-sized buffer
-        alpha = torch.exp2(m - m_safe)
-        l.mul_(alpha).add_(p.sum(-1, keepdim=True))  # the normaliser counts dropped weights too
-        if dropout_p > 0.0:
-            _drop(p, _keep_bits(keys[0][:, :, rows], keys[1][cols], dropout_p))
-        o.mul_(alpha).add_(_matmul(p.to(v.dtype), v[:, :, cols]))  # P rounded to the inputs' dtype
-        m.copy_(m_new)
+        m_all[:, :, rows] = m.masked_fill(dead, float("inf"))
+        log2_l[:, :, rows] = torch.log2(l.masked_fill(dead, 1.0))
+    return out, m_all, log2_l  # m and log2(l) apart: a finfo.min bias makes m + log2(l) round to m
 
 
 @torch.library.custom_op("minitransformer::chunked_attention_bwd", mutates_args=())
 @_autocast_off
 def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 row_max: torch.Tensor, log2_sum: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                 m: torch.Tensor, log2_l: torch.Tensor, attn_mask: Optional[torch.Tensor],
                  seed: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
                  window_size: Optional[int], cq: int, ck: int, mask_grad: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv, and the gradient of a float attn_mask when mask_grad (else an empty tensor)."""
-    acc = row_max.dtype
-    dq, dk, dv = (torch.zeros_like(t, dtype=acc) for t in (q, k, v))  # laid out as q, k, v (register_fake)
-    dmask = torch.zeros_like(attn_mask, dtype=acc) if mask_grad else q.new_empty(0)
+    dq, dk, dv = (torch.zeros_like(t, dtype=m.dtype) for t in (q, k, v))  # laid out as q, k, v (register_fake)
+    dmask = torch.zeros_like(attn_mask, dtype=m.dtype) if mask_grad else None
     dout, q, k, v = dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous()
-    options = _block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck)
+    opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck)
     for rows in _blocks(q.size(-2), cq):
-        dm = dmask if mask_grad else None
-        _attend_backward(dout, q, k, v, out, row_max, log2_sum, rows, dq, dk, dv, dm, **options)
-    dq.mul_(scale)
-    dk.mul_(scale)
+        attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask, opts)
     dv.mul_(1.0 / (1.0 - dropout_p))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask.to(attn_mask.dtype) if mask_grad else dmask
+    dmask = dmask.to(attn_mask.dtype) if mask_grad else q.new_empty(0)
+    return dq.mul_(scale).to(q.dtype), dk.mul_(scale).to(k.dtype), dv.to(v.dtype), dmask
 
 
-def _attend_backward(dout, q, k, v, out, row_max, log2_sum, rows, dq, dk, dv, dmask, *, bias, keys, dropout_p,
-                     is_causal, scale, window_size, ck):
-    """The backward's block update: queries `rows` against every key block they see, adding to dq,
-    dk, dv (float32; dq and dk still to be multiplied by the scale) and to a float mask's dmask."""
-    acc = row_max.dtype
-    dout_i = dout[:, :, rows]  # (B, H, cq, Dv)
-    m, log2l = row_max[:, :, rows], log2_sum[:, :, rows]  # (B, H, cq, 1)
-    delta = (dout_i.to(acc) * out[:, :, rows].to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
-    for cols in _key_blocks(rows, k.size(-2), ck, is_causal, window_size):
-        s = _scores(q, k, bias, rows, cols, scale, is_causal, window_size)
-        p = s.sub_(m).sub_(log2l).exp2_()  # P_j, the forward's probabilities
-        dp = _matmul(dout_i, v[:, :, cols].transpose(-2, -1))  # (B, H, cq, ck)
-        p_dropped = p
-        if dropout_p > 0.0:  # the forward's mask; 1/(1-p) is applied to dV once, at the end
-            keep = _keep_bits(keys[0][:, :, rows], keys[1][cols], dropout_p)
-            p_dropped = _drop(p.clone(), keep)
-            _drop(dp, keep).mul_(1.0 / (1.0 - dropout_p))
-        dv[:, :, cols] += _matmul(p_dropped.to(q.dtype).transpose(-2, -1), dout_i)
-        ds = p.mul_(dp.sub_(delta))  # dS_j = P_j * (dP_j - delta)
-        ds_low = ds.to(q.dtype)  # rounded to the inputs' dtype for the products, as P is
-        dq[:, :, rows] += _matmul(ds_low, k[:, :, cols])
-        dk[:, :, cols] += _matmul(ds_low.transpose(-2, -1), q[:, :, rows])
-        if dmask is not None:  # the mask is added to the scores: its gradient is dS, summed where broadcast
-            dm = dmask[..., rows if dmask.size(-2) != 1 else slice(None), :]
-            dm = dm[..., cols] if dmask.size(-1) != 1 else dm
-            dm += ds.sum_to_size(dm.shape)
+@_chunked_fwd.register_fake
+def _(q, k, v, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck):
+    stats = q.new_empty(*q.shape[:-1], 1, dtype=torch.promote_types(q.dtype, torch.float32))
+    return q.new_empty(*q.shape[:-1], v.size(-1)), stats, torch.empty_like(stats)
 
 
-def _block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck):
-    """What every block update of one call shares: the base-2 bias, dropout's row and column hashes."""
-    acc = torch.promote_types(q.dtype, torch.float32)
-    keys = _dropout_keys(seed, *q.shape[:3], k.size(-2)) if dropout_p > 0.0 else None
-    return dict(bias=_base2_bias(attn_mask, acc), keys=keys, dropout_p=dropout_p, is_causal=is_causal,
-                scale=scale, window_size=window_size, ck=ck)
+@_chunked_bwd.register_fake
+def _(dout, q, k, v, out, m, log2_l, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck,
+      mask_grad):
+    dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
+
+def _chunked_setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, seed, *options = inputs
+    ctx.save_for_backward(q, k, v, *output, attn_mask, seed)  # output: out, m, log2(l)
+    ctx.options = options  # dropout_p, is_causal, scale, window_size, cq, ck
+
+
+def _chunked_backward(ctx, dout, _dm, _dlog2_l):
+    q, k, v, out, m, log2_l, attn_mask, seed = ctx.saved_tensors
+    mask_grad = ctx.needs_input_grad[3]  # a float mask that requires grad: a learned bias (T5, ALiBi)
+    dq, dk, dv, dmask = _chunked_bwd(dout, q, k, v, out, m, log2_l, attn_mask, seed, *ctx.options, mask_grad)
+    return dq, dk, dv, dmask if mask_grad else None, None, None, None, None, None, None, None
+
+
+_chunked_fwd.register_autograd(_chunked_backward, setup_context=_chunked_setup_context)
 
 _BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(a, b, out_dtype=...), CUDA
 
@@ -331,10 +389,10 @@ _BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(a, b, ou
 def _matmul(a, b, alpha=1.0):
     """alpha * (a @ b) for a (B, H, m, k) and b (B, H, k, n), in float32 (float64 for float64).
 
-    The operands are multiplied as they are and the products accumulated in float32, as
-    tensor cores do: on CUDA by bmm(..., out_dtype=float32); elsewhere float16 and bfloat16
-    are converted to float32 first, which is exact, so a CPU computes what a GPU does (up to
-    the order of the sums).
+    FlashAttention-2's precision: the operands are multiplied in the inputs' dtype and the
+    products accumulated in float32, as tensor cores do; on CUDA by bmm(..., out_dtype=float32);
+    elsewhere float16 and bfloat16 are converted to float32 first, which is exact, so a CPU
+    computes what a GPU does (up to the order of the sums).
     """
     if a.dtype in (torch.float16, torch.bfloat16):
         if a.is_cuda and _BMM_OUT_DTYPE:
@@ -348,35 +406,17 @@ def _matmul(a, b, alpha=1.0):
     return out.view(*a.shape[:-1], b.size(-1))  # (B, H, m, n)
 
 
-def _scores(q, k, bias, rows, cols, scale, is_causal, window_size):
-    """Masked scores of one block in base 2, (B, H, rows, cols): Q K^T * scale * log2(e) + bias,
-    bias already in base 2 (_base2_bias). The backward recomputes them instead of storing them."""
-    s = _matmul(q[:, :, rows], k[:, :, cols].transpose(-2, -1), alpha=scale * LOG2E)
-    return _apply_mask(s, mask_block(bias, rows, cols, is_causal=is_causal, window_size=window_size,
-                                     device=q.device))
+def _scores(q, k, rows, cols, opts):
+    """S_j of one block in base 2, masked, (B, H, rows, cols), float32: the backward recomputes it."""
+    s = _matmul(q[:, :, rows], k[:, :, cols].transpose(-2, -1), alpha=opts.scale * LOG2E)
+    mask = mask_block(opts.bias, rows, cols, is_causal=opts.is_causal, window_size=opts.window_size,
+                      device=q.device)
+    return _apply_mask(s, mask)
 
 
-def _blocks(L, size):
-    return [slice(i, min(i + size, L)) for i in range(0, L, size)]
-
-
-def _key_blocks(rows, Lk, ck, is_causal, window_size):
-    """Slices of the key blocks that queries `rows` can see: blocks hidden by causality or the
-    window alone are never computed, and the visible range is cut to the visible keys."""
-    lo, hi = 0, Lk
-    if is_causal:
-        hi = min(hi, rows.stop)  # keys j <= i < rows.stop
-    if window_size is not None:
-        lo, hi = max(lo, rows.start - window_size), min(hi, rows.stop + window_size)
-    return [slice(k0, min(k0 + ck, hi)) for k0 in range(lo, hi, ck)]
-
-
-def _base2_bias(attn_mask, acc):
-    """A float mask times log2(e), in acc (float32 or wider); bool masks and None pass through."""
-    if attn_mask is None or attn_mask.dtype == torch.bool:
-        return attn_mask
-    return _finite_bias(attn_mask, acc, LOG2E)
-
+# Dropout multiplies P_j by a keep-mask Z_j in the products with V and dO, and divides by 1 - p.
+# Z is a hash of (seed, b, h, i, j): the backward regenerates it without storing it, and it does
+# not depend on the block sizes.
 
 _HASH = 0x2C1B3C6D  # odd: multiplying by it permutes the integers mod 2^31
 
@@ -389,12 +429,9 @@ def _mix(x):
     return x
 
 
-def _dropout_keys(seed, B, H, Lq, Lk):
+def _dropout_hashes(seed, B, H, Lq, Lk):
     """Hashes of the rows (b, h, i) with the seed, (B, H, Lq, 1), and of the columns j, (Lk,), int32.
-
-    seed: an int32 tensor of shape () on the device. Row ids (b * H + h) * Lq + i wrap above
-    2^31 rows.
-    """
+    seed: an int32 tensor of shape () on the device. Row ids (b * H + h) * Lq + i wrap above 2^31."""
     dev = seed.device
     rows = (torch.arange(B * H, dtype=torch.int32, device=dev).view(B, H, 1, 1) * Lq
             + torch.arange(Lq, dtype=torch.int32, device=dev)[:, None])  # (B, H, Lq, 1)
@@ -402,11 +439,10 @@ def _dropout_keys(seed, B, H, Lq, Lk):
     return _mix(_mix(rows.bitwise_and_(0x7FFFFFFF)) ^ seed), _mix(cols)
 
 
-def _keep_bits(row_key, col_key, dropout_p):
+def _keep_bits(row_hash, col_hash, dropout_p):
     """Dropout's keep-mask of one block, (B, H, rows, cols): all bits set where a weight is kept
-    (probability 1 - p), none where it is dropped. A hash of (seed, b, h, i, j), so the forward
-    and the backward draw the same mask, whatever the block sizes."""
-    x = _mix(row_key ^ col_key)  # uniform in [0, 2^31)
+    (probability 1 - p), none where it is dropped."""
+    x = _mix(row_hash ^ col_hash)  # uniform in [0, 2^31)
     x -= round(dropout_p * 2**31)  # negative where dropped
     x.bitwise_right_shift_(31)  # the sign, spread to every bit: -1 (all set) where dropped, 0 where kept
     return x.bitwise_not_()
@@ -420,41 +456,13 @@ def _drop(t, keep_bits):
     return t
 
 
-@_chunked_fwd.register_fake
-def _(q, k, v, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck):
-    acc = torch.promote_types(q.dtype, torch.float32)
-    stats = q.new_empty(*q.shape[:-1], 1, dtype=acc)
-    return q.new_empty(*q.shape[:-1], v.size(-1)), stats, torch.empty_like(stats)
-
-
-@_chunked_bwd.register_fake
-def _(dout, q, k, v, out, row_max, log2_sum, attn_mask, seed, dropout_p, is_causal, scale, window_size,
-      cq, ck, mask_grad):
-    dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
-
-
-def _chunked_setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, seed, *options = inputs
-    out, row_max, log2_sum = output
-    ctx.save_for_backward(q, k, v, out, row_max, log2_sum, attn_mask, seed)
-    ctx.options = options  # dropout_p, is_causal, scale, window_size, cq, ck
-
-
-def _chunked_backward(ctx, dout, _drow_max, _dlog2_sum):
-    q, k, v, out, row_max, log2_sum, attn_mask, seed = ctx.saved_tensors
-    mask_grad = ctx.needs_input_grad[3]  # a float mask that requires grad: a learned bias (T5, ALiBi)
-    dq, dk, dv, dmask = _chunked_bwd(dout, q, k, v, out, row_max, log2_sum, attn_mask, seed, *ctx.options,
-                                     mask_grad)
-    return dq, dk, dv, dmask if mask_grad else None, None, None, None, None, None, None, None
-
-
-_chunked_fwd.register_autograd(_chunked_backward, setup_context=_chunked_setup_context)
-
-
 # -----------------------------------------------------------------------------
-# Path 3: PyTorch's fused kernel. SDPA picks a kernel by itself and falls back to its
-# unfused math kernel without a word when no fused one accepts the inputs: we ask first.
+# Path 3: flash, PyTorch's fused attention (SDPA). A fused kernel runs the chunked path's online
+# softmax inside one kernel: its blocks of scores stay in on-chip memory, and no (Lq, Lk)
+# matrix is written out. "flash" names SDPA's fused path, not only the FlashAttention kernel:
+# SDPA picks among FlashAttention, memory-efficient and cuDNN kernels (on CUDA any attn_mask
+# rules FlashAttention out), and where none accepts the inputs it falls back to its unfused
+# math kernel without a word; so we ask which kernel runs, about the very inputs it gets.
 
 _KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
@@ -472,11 +480,8 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     """
     if on_math not in ("warn", "raise", "allow"):
         raise ValueError(f"on_math must be 'warn', 'raise' or 'allow', got {on_math!r}")
-    attn_mask, scale = _check_attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
-    q, k, v, mask, causal, sdpa = _sdpa_inputs(q, k, v, attn_mask, is_causal, window_size)
-    # the compiler picks the kernel itself, and the query's Python int would break its graph
-    compiling = torch.compiler.is_compiling()
-    kernel = "unknown" if compiling else _chosen_kernel(q, k, v, mask, dropout_p, causal, scale)
+    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
+    mask, causal, dead, kernel = _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size)
     if kernel == "math" and on_math != "allow":
         why = (f"no fused SDPA kernel accepts these inputs (device={q.device.type}, dtype={q.dtype}, "
                f"dropout_p={dropout_p}, mask={None if mask is None else mask.dtype}, head dim={q.size(-1)}); "
@@ -484,43 +489,36 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         if on_math == "raise":
             raise RuntimeError(why)
         warnings.warn(why, stacklevel=2)
-    dead = None
+    with _no_autocast(q):  # autocast would round a float mask to 16 bits
+        out = F.scaled_dot_product_attention(q, k, v, mask, dropout_p, causal, scale=scale)
+    return out if dead is None else out.masked_fill(dead, 0.0)
+
+
+def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size):
+    """(mask, is_causal, dead, kernel): the mask and flag exactly as SDPA gets them, the rows to zero
+    after it, and the kernel that runs on them ('unknown' under torch.compile, which picks its own)."""
+    mask, dead = None, None
+    if attn_mask is not None or window_size is not None:  # pure causality stays the kernel's flag
+        mask = mask_block(attn_mask, slice(0, q.size(-2)), slice(0, k.size(-2)), is_causal=is_causal,
+                          window_size=window_size, device=q.device)
+        is_causal = False
+    if mask is not None and mask.is_floating_point() and mask.dtype not in (q.dtype, torch.float32):
+        mask = _finite_bias(mask, q.dtype if q.dtype.itemsize >= 4 else torch.float32)  # a dtype SDPA takes
+    compiling = torch.compiler.is_compiling()  # the kernel query's Python int would break the graph
+    kernel = "unknown" if compiling else _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale)
     if mask is not None and q.device.type != "cpu" and kernel != "math":  # CPU kernels need neither step
         if mask.is_floating_point():
             mask = _finite_bias(mask, q.dtype)  # CUDA's fused kernels read a float mask in q's dtype
         if kernel != "efficient" or torch.version.hip:  # only NVIDIA's efficient kernel is known to zero a
             mask, dead = _reopen_dead_rows(mask)  # row with every key masked (cuDNN, ROCm, MPS: not)
-    out = sdpa(q, k, v, mask, dropout_p, causal, scale=scale)  # SDPA makes the choice reported above
-    return out if dead is None else out.masked_fill(dead, 0.0)
-
-
-def _sdpa_inputs(q, k, v, attn_mask, is_causal, window_size):
-    """(q, k, v, mask, is_causal, sdpa) as SDPA is to get them, so that the kernel asked about is the one run.
-
-    Pure causality stays a flag. A float mask comes in a dtype SDPA takes (q's or float32).
-    Under autocast, q, k, v are cast as autocast would cast them and SDPA runs with autocast
-    off: autocast would round a float mask to 16 bits too.
-    """
-    sdpa = F.scaled_dot_product_attention
-    if torch.is_autocast_enabled(q.device.type):
-        sdpa = _autocast_off(sdpa)
-        if q.dtype == torch.float32:  # the dtype autocast casts
-            dtype = torch.get_autocast_dtype(q.device.type)
-            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    if attn_mask is None and window_size is None:
-        return q, k, v, None, is_causal, sdpa
-    whole = slice(0, q.size(-2)), slice(0, k.size(-2))
-    mask = mask_block(attn_mask, *whole, is_causal=is_causal, window_size=window_size, device=q.device)
-    if mask is not None and mask.is_floating_point() and mask.dtype not in (q.dtype, torch.float32):
-        mask = _finite_bias(mask, q.dtype if q.dtype.itemsize >= 4 else torch.float32)
-    return q, k, v, mask, False, sdpa
+        kernel = kernel if compiling else _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale)
+    return mask, is_causal, dead, kernel
 
 
 def _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale):
     """The SDPA kernel these inputs get: 'flash', 'efficient', 'cudnn', 'math', or 'unknown' where torch
-    cannot tell (a device other than CPU and CUDA, or no torch._fused_sdp_choice)."""
-    # torch._fused_sdp_choice is the function SDPA itself consults, and it honours an enclosing
-    # sdpa_kernel(...) restriction; it is private, so ask whether it is there
+    cannot tell. torch._fused_sdp_choice is what SDPA itself consults (it honours an enclosing
+    sdpa_kernel(...)); it is private, so we ask whether it is there."""
     if q.device.type not in ("cpu", "cuda") or not hasattr(torch, "_fused_sdp_choice"):
         return "unknown"
     try:
@@ -534,16 +532,17 @@ def _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale):
 
 def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
                      window_size=None):
-    """Which SDPA kernel flash_attention would run for these inputs: 'flash', 'efficient', 'cudnn',
-    'math', or 'unknown' where torch cannot tell (MPS, XPU, a torch without the kernel query)."""
-    attn_mask, scale = _check_attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
-    q, k, v, mask, causal, _ = _sdpa_inputs(q, k, v, attn_mask, is_causal, window_size)
-    return _chosen_kernel(q, k, v, mask, dropout_p, causal, scale)
+    """Which SDPA kernel flash_attention would run for these inputs (see _chosen_kernel)."""
+    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
+    return _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size)[3]
 
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, impl="flash",
               window_size=None, chunk_size=None):
-    """Attention through one of IMPLS: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv)"""
+    """Attention through impl: one of IMPLS, or a function with SDPA's arguments and window_size= (as
+    ring_attention.ring_impl makes). q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv)."""
+    if callable(impl):
+        return impl(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size=window_size)
     if impl == "naive":
         return naive_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size=window_size)[0]
     if impl == "chunked":
@@ -551,152 +550,7 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
                                  chunk_size=chunk_size)
     if impl == "flash":
         return flash_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size=window_size)
-    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-
-
-# -----------------------------------------------------------------------------
-# Beyond one device: ring attention (Liu et al. 2023, "Ring Attention with Blockwise
-# Transformers", https://arxiv.org/abs/2310.01889), over torch.distributed.
-#
-# Each of P ranks holds a shard of the sequence: its queries Q_r and keys and values K_r, V_r.
-# The K/V blocks travel around the ring: at step s rank r holds block j = (r - s) mod P, runs
-# the chunked path on its queries and that block, and meanwhile passes the block on to rank
-# r + 1. Each step's result, normalised by its own row max m_s and sum l_s (base 2), merges
-# into the running one exactly as the chunked path merges key blocks (float32):
-#     m = max(m_1, m_2),   w_i = exp2(m_i + log2(l_i) - m),   l = w_1 + w_2,
-#     out = (w_1 out_1 + w_2 out_2) / l.
-# The backward runs the chunked backward of every step against the final m and l (so each step
-# recomputes exactly its share of the probabilities), and dK, dV travel the ring with their
-# block until they are home. Causal attention skips the steps that it masks entirely; with the
-# zigzag layout (rank r holds chunks r and 2P-1-r of 2P) every rank does the same work a step.
-
-RING_LAYOUTS = ("contiguous", "zigzag")
-
-
-def shard_sequence(x, rank, world_size, layout="contiguous", dim=-2):
-    """Rank `rank`'s shard of x along dim: positions [r*L/P, (r+1)*L/P) ("contiguous"), or chunks
-    r and 2P-1-r of 2P, concatenated ("zigzag")."""
-    _check_ring_layout(x.size(dim), world_size, layout)
-    if layout == "contiguous":
-        return x.chunk(world_size, dim)[rank]
-    chunks = x.chunk(2 * world_size, dim)
-    return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim)
-
-
-@torch.compiler.disable  # point-to-point messages have no place in a compiled graph
-def ring_attention(q, k, v, is_causal=False, scale=None, *, group=None, layout="contiguous"):
-    """softmax(Q K^T * scale) V over a sequence sharded across the ranks of a process group.
-
-    q (B, H, L/P, D), k (B, H, L/P, D), v (B, H, L/P, Dv): this rank's shard, in `layout`
-    (shard_sequence); returns this rank's shard of the output, (B, H, L/P, Dv). group=None:
-    the default process group. Differentiable; float16 and bfloat16 follow the chunked path.
-    """
-    scale = _check_ring_args(q, k, v, scale, group, layout)
-    return _RingAttention.apply(q, k, v, is_causal, scale, group, layout)
-
-
-def _ring_steps(rank, world, n, is_causal, layout):
-    """For each step s, the work it computes: [(rows, cols, causal)], the local query rows and visiting
-    key columns that see each other and whether causality still masks within them (the diagonal);
-    [] for a step that causality masks entirely."""
-    steps, whole, half = [], slice(0, n), n // 2
-    for s in range(world):
-        j = (rank - s) % world  # the rank whose K/V block is here
-        if not is_causal or j == rank:
-            steps.append([(whole, whole, is_causal)])
-        elif layout == "contiguous":
-            steps.append([(whole, whole, False)] if j < rank else [])
-        else:  # zigzag: chunk x sees all of chunk y < x: the earlier half of j's block, or its later queries
-            steps.append([(whole, slice(0, half), False) if j < rank else (slice(half, n), whole, False)])
-    return steps
-
-
-def _ring_pass(tensors, group):
-    """Start sending `tensors` to the next rank and receiving their like from the previous one:
-    (the received tensors, the requests to wait on before reading them)."""
-    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-    to_global = (lambda r: r) if group is None else (lambda r: torch.distributed.get_global_rank(group, r))
-    nxt, prv = to_global((rank + 1) % world), to_global((rank - 1) % world)
-    received = [torch.empty_like(t) for t in tensors]
-    ops = [torch.distributed.P2POp(torch.distributed.isend, t, nxt, group) for t in tensors]
-    ops += [torch.distributed.P2POp(torch.distributed.irecv, t, prv, group) for t in received]
-    return received, torch.distributed.batch_isend_irecv(ops)
-
-
-def _wait(requests):
-    """Wait for the ring's messages: the time spent here is the communication that compute did not hide
-    (a profiler region, which study.py reads)."""
-    with torch.profiler.record_function("ring_attention.wait"):
-        for request in requests:
-            request.wait()
-
-
-class _RingAttention(torch.autograd.Function):
-
-    @staticmethod
-    def forward(ctx, q, k, v, is_causal, scale, group, layout):
-        out, row_max, log2_sum = _ring_forward(q, k, v, is_causal, scale, group, layout)
-        ctx.save_for_backward(q, k, v, out, row_max, log2_sum)
-        ctx.options = is_causal, scale, group, layout
-        return out.to(q.dtype)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
-        dq, dk, dv = _ring_backward(dout, *ctx.saved_tensors, *ctx.options)
-        return dq, dk, dv, None, None, None, None
-
-
-@_autocast_off
-def _ring_forward(q, k, v, is_causal, scale, group, layout):
-    """out (float32), row max and log2 of the normaliser, after P steps of the chunked forward's block
-    update, continued from one visiting K/V block to the next."""
-    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-    cq, ck = default_chunk_size(q.device)
-    q = q.contiguous()
-    acc = torch.promote_types(q.dtype, torch.float32)
-    o = q.new_zeros(*q.shape[:-1], v.size(-1), dtype=acc)  # (B, H, n, Dv): the running output, float32
-    m = q.new_full((*q.shape[:-1], 1), float("-inf"), dtype=o.dtype)  # (B, H, n, 1)
-    l = torch.zeros_like(m)
-    kv, steps = (k.contiguous(), v.contiguous()), _ring_steps(rank, world, q.size(-2), is_causal, layout)
-    for s in range(world):
-        received, requests = _ring_pass(kv, group) if s < world - 1 else (None, [])
-        for rows, cols, causal in steps[s]:
-            q_s, k_s, v_s = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
-            options = _block_options(q_s, k_s, None, None, 0.0, causal, scale, None, ck)
-            for block in _blocks(q_s.size(-2), cq):
-                state = (t[:, :, rows][:, :, block] for t in (o, m, l))
-                _attend(q_s, k_s, v_s, block, *state, **options)
-        _wait(requests)
-        kv = received or kv
-    return o.div_(l), m, torch.log2(l)
-
-
-@_autocast_off
-def _ring_backward(dout, q, k, v, out, row_max, log2_sum, is_causal, scale, group, layout):
-    """dq, dk, dv: the chunked backward's block update for every step, against the final row statistics;
-    dK and dV travel with their block and arrive home after the last step."""
-    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-    cq, ck = default_chunk_size(q.device)
-    dout, q = dout.contiguous(), q.contiguous()
-    kv = k.contiguous(), v.contiguous()  # what travels must be contiguous
-    dq = torch.zeros_like(q, dtype=out.dtype)
-    dkv = torch.zeros_like(kv[0], dtype=out.dtype), torch.zeros_like(kv[1], dtype=out.dtype)
-    steps = _ring_steps(rank, world, q.size(-2), is_causal, layout)
-    for s in range(world):
-        received, requests = _ring_pass(kv, group) if s < world - 1 else (None, [])
-        for rows, cols, causal in steps[s]:
-            q_s, k_s, v_s = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
-            grads = dq[:, :, rows], dkv[0][:, :, cols], dkv[1][:, :, cols]
-            stats = out[:, :, rows], row_max[:, :, rows], log2_sum[:, :, rows]  # of the whole result
-            options = _block_options(q_s, k_s, None, None, 0.0, causal, scale, None, ck)
-            for block in _blocks(q_s.size(-2), cq):
-                _attend_backward(dout[:, :, rows], q_s, k_s, v_s, *stats, block, *grads, None, **options)
-        dkv_received, dkv_requests = _ring_pass(dkv, group) if world > 1 else (dkv, [])  # on with their block
-        _wait(requests + dkv_requests)
-        kv, dkv = received or kv, dkv_received
-    dq.mul_(scale)
-    return dq.to(q.dtype), dkv[0].mul_(scale).to(k.dtype), dkv[1].to(v.dtype)
+    raise ValueError(f"impl must be one of {IMPLS} or a function, got {impl!r}")
 
 
 # -----------------------------------------------------------------------------
@@ -708,23 +562,22 @@ class MultiHeadAttention(nn.Module):
 
     x: (B, T, C) with C = d_model, batch first. The three input projections are one
     C -> 3C linear layer, its weight laid out as nn.MultiheadAttention's in_proj_weight.
-    rope: an optional RotaryEmbedding applied to q and k of every head. impl="ring": x is this
-    rank's shard of sequences cut across the default process group (ring_attention, ring_layout).
+    impl: one of IMPLS, or an attention function (see attention()). rope: an optional
+    RotaryEmbedding applied to q and k of every head, at `positions` (default 0 .. T-1).
     """
 
     def __init__(self, d_model, n_heads, dropout=0.0, bias=True, impl="flash", *, chunk_size=None,
-                 window_size=None, rope=None, ring_layout="contiguous"):
+                 window_size=None, rope=None):
         super().__init__()
         if d_model % n_heads != 0:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
-        if impl not in IMPLS + ("ring",):
-            raise ValueError(f"impl must be one of {IMPLS + ('ring',)}, got {impl!r}")
+        if not callable(impl) and impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS} or a function, got {impl!r}")
         if d_model // n_heads < 32:
             warnings.warn(f"head size d_model/n_heads = {d_model // n_heads} is below 32; "
                           "fine for small test models, weak for real ones", stacklevel=2)
         self.d_model, self.n_heads, self.dropout, self.impl = d_model, n_heads, dropout, impl
         self.chunk_size, self.window_size, self.rope = chunk_size, window_size, rope
-        self.ring_layout = ring_layout
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
 
@@ -741,11 +594,10 @@ class MultiHeadAttention(nn.Module):
             q, k = self.rope(q, positions), self.rope(k, positions)
         p = self.dropout if self.training else 0.0
         if need_weights:  # only the naive path materialises the weights
+            if callable(self.impl):
+                raise ValueError("need_weights computes the weights by naive attention on this module's own "
+                                 "q, k, v: not with an attention function as impl (a ring sees a shard only)")
             y, weights = naive_attention(q, k, v, attn_mask, p, is_causal, window_size=self.window_size)
-        elif self.impl == "ring":
-            if attn_mask is not None or p > 0.0 or self.window_size is not None:
-                raise ValueError("impl='ring' takes no attn_mask, no dropout and no window_size")
-            y = ring_attention(q, k, v, is_causal, layout=self.ring_layout)
         else:
             y = attention(q, k, v, attn_mask, p, is_causal, impl=self.impl, window_size=self.window_size,
                           chunk_size=self.chunk_size)
@@ -774,7 +626,8 @@ class MultiHeadAttention(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# Positional encodings
+# Positional encodings. Each takes `positions`, the (T,) positions of x's rows (default 0 .. T-1):
+# a shard of a longer sequence (ring_attention.py) sits at its own positions.
 
 
 class SinusoidalPositionalEncoding(nn.Module):
@@ -795,9 +648,7 @@ class SinusoidalPositionalEncoding(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x, positions=None):
-        """positions: the (T,) positions of x's rows; default 0 .. T-1."""
-        _check_length(x.size(1), self.max_len)
-        pos = slice(0, x.size(1)) if positions is None else positions
+        pos = _positions(x.size(1), self.max_len, positions)
         return self.drop(x + self.pe[pos].to(x.dtype))
 
 
@@ -811,9 +662,7 @@ class LearnedPositionalEncoding(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x, positions=None):
-        _check_length(x.size(1), self.max_len)
-        pos = slice(0, x.size(1)) if positions is None else positions
-        return self.drop(x + self.pe.weight[pos])
+        return self.drop(x + self.pe.weight[_positions(x.size(1), self.max_len, positions)])
 
 
 class RotaryEmbedding(nn.Module):
@@ -835,9 +684,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angle.sin().float(), persistent=False)
 
     def forward(self, x, positions=None):
-        """positions: the (T,) positions of x's rows; default 0 .. T-1."""
-        _check_length(x.size(-2), self.max_len)
-        pos = slice(0, x.size(-2)) if positions is None else positions
+        pos = _positions(x.size(-2), self.max_len, positions)
         x1, x2 = x.chunk(2, dim=-1)
         rotated = torch.cat([-x2, x1], dim=-1)  # (B, nh, T, hs): multiplication by i, pair by pair
         return x * self.cos[pos].to(x.dtype) + rotated * self.sin[pos].to(x.dtype)
@@ -858,13 +705,12 @@ class EncoderLayer(nn.Module):
     """
 
     def __init__(self, d_model, n_heads, d_ff, dropout=0.1, norm_first=False, activation="relu", impl="flash",
-                 layer_norm_eps=1e-5, *, bias=True, chunk_size=None, window_size=None, rope=None,
-                 ring_layout="contiguous"):
+                 layer_norm_eps=1e-5, *, bias=True, chunk_size=None, window_size=None, rope=None):
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be one of {tuple(_ACTIVATIONS)}, got {activation!r}")
         self.self_attn = MultiHeadAttention(d_model, n_heads, dropout, bias, impl, chunk_size=chunk_size,
-                                            window_size=window_size, rope=rope, ring_layout=ring_layout)
+                                            window_size=window_size, rope=rope)
         self.linear1 = nn.Linear(d_model, d_ff, bias=bias)
         self.linear2 = nn.Linear(d_ff, d_model, bias=bias)
         self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
@@ -926,33 +772,20 @@ class EncoderConfig:
     dropout: float = 0.0  # dropout on attention probabilities, residual branches and embeddings
     norm_first: bool = True  # pre-LN (stable without warm-up tricks); False = post-LN as in the paper
     activation: str = "relu"  # "relu" or "gelu"
-    impl: str = "flash"  # attention path: "naive", "chunked", "flash", or "ring" (a sequence across ranks)
+    impl: str = "flash"  # attention path: "naive", "chunked" or "flash"
     pos_encoding: str = "sinusoidal"  # "sinusoidal", "learned" or "rope"
     chunk_size: int | None = None  # block size of the chunked path; None = default_chunk_size(device)
     window_size: int | None = None  # local attention: keys within this distance; None = global
-    ring_layout: str = "contiguous"  # impl="ring": how the sequence is cut, "contiguous" or "zigzag"
     layer_norm_eps: float = 1e-5  # epsilon of every LayerNorm
 
-    def __post_init__(self):
+    def __post_init__(self):  # what no module it builds checks (they check heads, impl, activation, rope)
         for name in ("vocab_size", "max_len", "d_model", "n_heads", "n_layers", "d_ff"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
-        choices = {"activation": tuple(_ACTIVATIONS), "impl": IMPLS + ("ring",),
-                   "pos_encoding": POS_ENCODINGS, "ring_layout": RING_LAYOUTS}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.pos_encoding == "rope" and (self.d_model // self.n_heads) % 2:
-            raise ValueError(f"rope needs an even head size, got {self.d_model} / {self.n_heads} heads")
-        if self.chunk_size is not None:
-            _chunks(self.chunk_size)
-        _check_window(self.window_size)
-        if self.impl == "ring" and (self.dropout or self.window_size is not None):
-            raise ValueError("impl='ring' has no dropout and no window: set dropout=0.0 and window_size=None")
+        if self.pos_encoding not in POS_ENCODINGS:
+            raise ValueError(f"pos_encoding must be one of {POS_ENCODINGS}, got {self.pos_encoding!r}")
 
 
 class Encoder(nn.Module):
@@ -966,18 +799,12 @@ class Encoder(nn.Module):
         super().__init__()
         self.config = c = config
         self.embed = nn.Embedding(c.vocab_size, c.d_model)
-        rope = None
-        if c.pos_encoding == "sinusoidal":
-            self.pos = SinusoidalPositionalEncoding(c.d_model, c.max_len, c.dropout)
-        elif c.pos_encoding == "learned":
-            self.pos = LearnedPositionalEncoding(c.d_model, c.max_len, c.dropout)
-        else:
-            self.pos = nn.Dropout(c.dropout)
-            rope = RotaryEmbedding(c.d_model // c.n_heads, c.max_len)
+        rope = RotaryEmbedding(c.d_model // c.n_heads, c.max_len) if c.pos_encoding == "rope" else None
+        pos = {"sinusoidal": SinusoidalPositionalEncoding, "learned": LearnedPositionalEncoding}.get(c.pos_encoding)
+        self.pos = pos(c.d_model, c.max_len, c.dropout) if pos else nn.Dropout(c.dropout)  # rope: in attention
         self.layers = nn.ModuleList(
             EncoderLayer(c.d_model, c.n_heads, c.d_ff, c.dropout, c.norm_first, c.activation, c.impl,
-                         c.layer_norm_eps, chunk_size=c.chunk_size, window_size=c.window_size, rope=rope,
-                         ring_layout=c.ring_layout)
+                         c.layer_norm_eps, chunk_size=c.chunk_size, window_size=c.window_size, rope=rope)
             for _ in range(c.n_layers))
         self.norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps) if c.norm_first else nn.Identity()
         self.apply(self._init_weights)
@@ -997,35 +824,26 @@ class Encoder(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
 
-    def _embed(self, idx):
-        """Checked token ids (B, T) -> PosEnc(Embed(idx) * sqrt(d_model)), (B, T, d_model), and the
-        positions of the T tokens: None (0 .. T-1), or with impl="ring" their places in the whole
-        sequence, of which idx is this rank's shard."""
-        c = self.config
+    def _embed(self, idx, positions):
+        """PosEnc(Embed(idx) * sqrt(d_model)), (B, T, d_model), from checked token ids (B, T)."""
         if idx.dim() != 2 or idx.dtype.is_floating_point or idx.dtype == torch.bool:
             raise ValueError(f"idx must be integer token ids (B, T), got {tuple(idx.shape)} {idx.dtype}")
-        T, positions = idx.size(1), None
-        if c.impl == "ring":
-            world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-            T *= world
-            positions = shard_sequence(torch.arange(T, device=idx.device), rank, world, c.ring_layout, dim=0)
-        _check_length(T, c.max_len)
-        _check_range(idx, 0, c.vocab_size, "token ids")
-        x = self.embed(idx) * math.sqrt(c.d_model)
-        return (self.pos(x) if c.pos_encoding == "rope" else self.pos(x, positions)), positions
+        _check_range(idx, 0, self.config.vocab_size, "token ids")
+        x = self.embed(idx) * math.sqrt(self.config.d_model)
+        return self.pos(x) if isinstance(self.pos, nn.Dropout) else self.pos(x, positions)
 
-    def forward(self, idx, attn_mask=None, is_causal=False):
-        x, positions = self._embed(idx)  # (B, T, d_model)
+    def forward(self, idx, attn_mask=None, is_causal=False, positions=None):
+        """positions: the (T,) positions of idx's tokens (default 0 .. T-1), as for a shard of a longer
+        sequence (ring_attention.ShardedEncoder)."""
+        x = self._embed(idx, positions)  # (B, T, d_model)
         for layer in self.layers:
             x = layer(x, attn_mask, is_causal, positions)
         return self.norm(x)
 
     def attention_weights(self, idx, attn_mask=None, is_causal=False, layer=-1):
         """Attention probabilities (B, H, T, T) of one layer, through the naive path: what a heatmap shows."""
-        if self.config.impl == "ring":
-            raise ValueError("attention_weights needs the whole sequence on one device: not with impl='ring'")
         layer = range(len(self.layers))[layer]  # negative indices count from the last layer
-        x, _ = self._embed(idx)
+        x = self._embed(idx, None)
         for block in self.layers[:layer]:
             x = block(x, attn_mask, is_causal)
         block = self.layers[layer]
@@ -1056,10 +874,10 @@ PAD = 0  # token id of padding; real tokens are 1 .. vocab_size - 1
 def reverse_batch(B, min_len, max_len, vocab_size, gen):
     """A batch of the reversal task: x = t_1 .. t_L, y = t_L .. t_1, each padded to max_len.
 
-    L varies per sequence, so output i must read input L - 1 - i, a position that
-    depends on the sequence's own length: impossible without attention across
-    positions, and the padding mask matters (a padded key would shift the answer).
-    Returns x, y (B, max_len) and the lengths (B,), made on the generator's device.
+    L varies per sequence, so output i must read input L - 1 - i, a position that depends on
+    the sequence's own length: impossible without attention across positions, and the padding
+    mask matters (a padded key would shift the answer). Returns x, y (B, max_len) and the
+    lengths (B,), made on the generator's device.
     """
     lengths = torch.randint(min_len, max_len + 1, (B,), generator=gen, device=gen.device)
     x = torch.randint(1, vocab_size, (B, max_len), generator=gen, device=gen.device)
@@ -1068,10 +886,6 @@ def reverse_batch(B, min_len, max_len, vocab_size, gen):
     y = torch.gather(x, 1, src)
     real = pos[None, :] < lengths[:, None]  # (B, T)
     return x.masked_fill(~real, PAD), y.masked_fill(~real, PAD), lengths
-
-
-def _choices(*values):
-    return {"choices": values}
 
 
 def _arg(default, text, **kw):
@@ -1090,11 +904,11 @@ class TrainConfig:
     label_smoothing: float = _arg(0.1, "label smoothing of the cross-entropy (0.1 in the paper)")
     clip: float = _arg(1.0, "clip the gradient norm to this (after unscaling); 0 disables")
     amp: str = _arg("off", "mixed precision: bf16 autocast, or fp16 autocast with a gradient scaler",
-                    **_choices("off", "bf16", "fp16"))
-    impl: str = _arg("flash", "attention path", **_choices(*IMPLS))
+                    choices=("off", "bf16", "fp16"))
+    impl: str = _arg("flash", "attention path", choices=IMPLS)
     compile_model: bool = _arg(False, "torch.compile the model (on a 2-core CPU it did not pay for its "
                                       "compile time; README, Training)", flag="compile")
-    pos_encoding: str = _arg("sinusoidal", "positional encoding", **_choices(*POS_ENCODINGS))
+    pos_encoding: str = _arg("sinusoidal", "positional encoding", choices=POS_ENCODINGS)
     d_model: int = _arg(64, "model width")
     n_heads: int = _arg(2, "attention heads")
     n_layers: int = _arg(2, "encoder layers")
@@ -1130,16 +944,14 @@ class TrainConfig:
             raise ValueError("need lr > 0, 0 <= label_smoothing < 1, clip >= 0, warmup >= 0; got "
                              f"lr={self.lr}, label_smoothing={self.label_smoothing}, clip={self.clip}, "
                              f"warmup={self.warmup}")
-        for name in ("amp", "impl", "pos_encoding"):
-            allowed = TrainConfig.__dataclass_fields__[name].metadata["choices"]
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name, f in TrainConfig.__dataclass_fields__.items():
+            if "choices" in f.metadata and getattr(self, name) not in f.metadata["choices"]:
+                raise ValueError(f"{name} must be one of {f.metadata['choices']}, got {getattr(self, name)!r}")
 
     def model_config(self):
-        return EncoderConfig(vocab_size=self.vocab_size, max_len=self.max_len, d_model=self.d_model,
-                             n_heads=self.n_heads, n_layers=self.n_layers, d_ff=self.d_ff,
-                             dropout=self.dropout,
-                             norm_first=self.norm_first, impl=self.impl, pos_encoding=self.pos_encoding)
+        names = ("vocab_size", "max_len", "d_model", "n_heads", "n_layers", "d_ff", "dropout", "norm_first",
+                 "impl", "pos_encoding")
+        return EncoderConfig(**{name: getattr(self, name) for name in names})
 
 
 def lr_factor(step, warmup, steps, min_ratio):
@@ -1168,9 +980,9 @@ def optimizer_step(loss, model, optimizer, scaler, clip):
     """backward, unscale, clip, step; returns the gradient norm before clipping and whether the step ran,
     both as tensors on the device: reading them on the host every step would stall a GPU.
 
-    The order matters: with fp16 the gradients are multiplied by the loss scale, so
-    they must be unscaled before their norm is clipped; clipping scaled gradients
-    (the classic bug) clips almost every step to a tiny fraction of 1.0.
+    The order matters: with fp16 the gradients are multiplied by the loss scale, so they must be
+    unscaled before their norm is clipped; clipping scaled gradients (the classic bug) clips almost
+    every step to a tiny fraction of 1.0.
     """
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
@@ -1178,7 +990,7 @@ def optimizer_step(loss, model, optimizer, scaler, clip):
     if clip > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, clip)
     else:
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     scaler.step(optimizer)  # skipped by the scaler when the gradients hold inf or NaN
     scaler.update()
     # the scaler skips exactly when an unscaled gradient is inf or NaN, which makes their norm non-finite;
@@ -1207,9 +1019,8 @@ def check_resume(cfg, state, world):
                          "on them): drop those options, or start a new run without --resume.")
     if state["world_size"] != world:
         raise ValueError(f"--resume {cfg.resume}: the checkpoint was written by {state['world_size']} "
-                         "process(es), "
-                         f"this run has {world}; every rank's data stream and random state are in it: resume "
-                         f"with {state['world_size']} (torchrun --nproc_per_node={state['world_size']})")
+                         f"process(es), this run has {world}; every rank's data stream and random state are "
+                         f"in it: resume with {state['world_size']} (torchrun --nproc_per_node)")
 
 
 def save_checkpoint(path, state):
@@ -1217,12 +1028,11 @@ def save_checkpoint(path, state):
     folder's entry), so that neither a crash of the process nor a power cut leaves half a checkpoint."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
+    with open(f"{path}.tmp", "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    os.replace(f"{path}.tmp", path)
     if os.name == "posix":  # a folder's entry is flushed through a descriptor of the folder (POSIX only)
         fd = os.open(folder, os.O_RDONLY)
         try:
@@ -1238,25 +1048,12 @@ def load_checkpoint(path):
     except FileNotFoundError:
         raise
     except Exception as e:  # truncated zip, garbage bytes, a pickle that wants to run code, ...
-        raise ValueError(f"cannot read checkpoint {path!r}: it is corrupt, truncated or not a torch "
-                         "checkpoint "
+        raise ValueError(f"cannot read checkpoint {path!r}: it is corrupt, truncated or not a torch checkpoint "
                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
     missing = _CHECKPOINT_KEYS - set(state) if isinstance(state, dict) else _CHECKPOINT_KEYS
     if missing:
         raise ValueError(f"{path!r} is not a minitransformer checkpoint: missing {sorted(missing)}")
     return state
-
-
-def _setup_distributed(device):
-    """Initialise torch.distributed under torchrun (RANK, WORLD_SIZE set); returns (rank, world_size)."""
-    if "RANK" not in os.environ:
-        return 0, 1
-    import torch.distributed as dist
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend)
-    return dist.get_rank(), dist.get_world_size()
 
 
 @torch.no_grad()
@@ -1284,10 +1081,9 @@ def save_heatmap(model, data, cfg, path):
     with torch.no_grad():
         w = model.encoder.attention_weights(x, padding_mask(lengths, x.size(1)), layer=cfg.heatmap_layer)
     w = w[0, cfg.heatmap_head, :L, :L].float().cpu().numpy()  # (L, L): query rows, key columns
-    tokens = [str(t) for t in x[0, :L].tolist()]
     fig, ax = plt.subplots(figsize=(6, 5.4))
     im = ax.imshow(w, cmap="viridis", vmin=0, vmax=1)
-    ax.set_xticks(range(L), tokens, fontsize=7)
+    ax.set_xticks(range(L), [str(t) for t in x[0, :L].tolist()], fontsize=7)
     ax.set_yticks(range(L), [f"{i}->{t}" for i, t in enumerate(y[0, :L].tolist())], fontsize=7)
     ax.set_xlabel("key: input token")
     ax.set_ylabel("query: position -> target token")
@@ -1301,51 +1097,54 @@ def save_heatmap(model, data, cfg, path):
     plt.close(fig)
 
 
-def train(cfg, log=print):
-    """Train a TokenClassifier on the reversal task; returns the final metrics (a dict).
-
-    One process, or one of many under torchrun (DistributedDataParallel: each rank
-    draws its own batches, gradients are averaged, rank 0 alone logs and saves).
-    """
-    auto = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(auto if cfg.device == "auto" else cfg.device)
+def _setup_device(cfg):
+    """(device, rank, world): torchrun (RANK set) starts a process group, gloo on CPU, NCCL on CUDA,
+    one GPU per process."""
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {cfg.device}: no CUDA device is available here")
-    if "LOCAL_RANK" in os.environ and device.type == "cuda":  # torchrun: one GPU per process
+    if "LOCAL_RANK" in os.environ and device.type == "cuda":
         local_rank, count = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
         if local_rank >= count:
             raise RuntimeError(f"LOCAL_RANK={local_rank}, but this machine has {count} CUDA device(s): start "
                                "at most that many processes per node (torchrun --nproc_per_node), or pass "
                                "--device cpu")
         device = torch.device("cuda", local_rank)
-    rank, world = _setup_distributed(device)
+        torch.cuda.set_device(device)
+    if "RANK" not in os.environ:
+        return device, 0, 1
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device, torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def train(cfg, log=print):
+    """Train a TokenClassifier on the reversal task; returns the final metrics (a dict).
+
+    One process, or one of many under torchrun (DistributedDataParallel: each rank draws its
+    own batches, gradients are averaged, rank 0 alone logs and saves).
+    """
+    device, rank, world = _setup_device(cfg)
     say = log if rank == 0 else (lambda *a, **k: None)
     try:
-        result = _train(cfg, device, rank, world, say)
-        if world > 1:
-            # DDP's reducer sits in reference cycles: collect it now, while its process group
-            # lives, not at interpreter exit (where gloo's threads then abort the process)
-            gc.collect()
-            torch.distributed.barrier()  # no rank tears down while another still talks to it
-        return result
+        return _train(cfg, device, rank, world, say)
     finally:
         if world > 1:
+            # DDP's reducer sits in reference cycles: collect it while its process group lives, not at
+            # interpreter exit (where gloo's threads then abort the process); no rank leaves early
+            gc.collect()
+            torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
 
 def _train(cfg, device, rank, world, say):
     amp_dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.amp]
-
-    def amp_ctx():
-        return torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+    amp_ctx = functools.partial(torch.autocast, device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
     try:  # fail now, not deep inside the first step
         with amp_ctx():
             torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)
         scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
     except (RuntimeError, ValueError) as e:
-        raise RuntimeError(f"--amp {cfg.amp} is not supported on {device} by torch {torch.__version__}: {e}"
-                           ) from e
-
+        raise RuntimeError(f"--amp {cfg.amp} is not supported on {device} by torch {torch.__version__}: {e}") from e
     state = load_checkpoint(cfg.resume) if cfg.resume else None
     if state:
         check_resume(cfg, state, world)
@@ -1355,58 +1154,36 @@ def _train(cfg, device, rank, world, say):
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
-    start = 0
+    start = state["step"] if state else 0
     if state:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        start = state["step"]
-        rng = state["rng"][rank]  # every rank's own dropout stream
-        torch.set_rng_state(rng["cpu"])
-        if rng["cuda"] is not None and device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], device)
+        for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
+            obj.load_state_dict(state[name])
+        torch.set_rng_state(state["rng"][rank]["cpu"])  # every rank's own dropout stream
+        if state["rng"][rank]["cuda"] is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"][rank]["cuda"], device)
         say(f"resumed from {cfg.resume} at step {start}")
     else:
         torch.manual_seed(cfg.seed + 1 + rank)  # dropout differs per rank, as the data does
     ddp = model
     if world > 1:
-        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.index is not None
-                                                  else None)
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=None if device.index is None else [device.index])
     if cfg.compile_model:  # the training forward and backward; evaluation and checkpoints use `model` itself
         ddp = torch.compile(ddp)
-
     held_out = reverse_batch(cfg.eval_size, cfg.min_len, cfg.max_len, mcfg.vocab_size,
                              torch.Generator(device).manual_seed(2**40 + cfg.seed))  # never drawn by training
     say(f"model: {model.encoder.num_params():,} parameters in the encoder; {mcfg}")
     say(f"training on {device} x {world} process(es), amp={cfg.amp}, impl={mcfg.impl}, "
         f"compile={cfg.compile_model}, steps {start}..{cfg.steps}")
 
-    def checkpoint(step):
-        cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        rngs = [{"cpu": torch.get_rng_state(), "cuda": cuda_rng}]
-        if world > 1:
-            gathered = [None] * world
-            torch.distributed.all_gather_object(gathered, rngs[0])
-            rngs = gathered
-        if rank == 0:
-            save_checkpoint(cfg.out, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                      "scaler": scaler.state_dict(), "scheduler": scheduler.state_dict(),
-                                      "step": step, "rng": rngs, "model_config": asdict(mcfg),
-                                      "train_config": asdict(cfg), "world_size": world})
-
-    t_start = time.time()
-    t_log, reached = time.time(), None
-    metrics = {}
-    loss_value = float("nan")
-    last = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
+    last = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
+    t_start = t_log = time.time()
+    reached, metrics, loss_value = None, {}, float("nan")
     # running counts stay on the device and are read only on the steps that log, evaluate or save:
     # reading one every step (loss.item(), float(norm)) would make a GPU wait for the host each step
-    zero = torch.zeros((), dtype=torch.long, device=device)
-    tokens, skipped, bad_step = zero.clone(), zero.clone(), zero.clone()  # bad_step: the first non-finite one
-    bad = torch.zeros(2, device=device)  # its loss and gradient norm
+    tokens, skipped, bad_step = (torch.zeros((), dtype=torch.long, device=device) for _ in range(3))
+    bad = torch.zeros(2, device=device)  # the loss and gradient norm of bad_step, the first non-finite step
     for step in range(start, last):
-        # the batch is a function of (seed, rank, step) alone: resuming needs no data-loader state
+        # the batch is a function of (seed, rank, step) alone: resuming needs no data-loader state,
         # and it is made on the device: no host-to-device copy per step
         gen = torch.Generator(device).manual_seed((cfg.seed * 1_000_003 + step) * 1009 + rank)
         x, y, lengths = reverse_batch(cfg.batch_size, cfg.min_len, cfg.max_len, mcfg.vocab_size, gen)
@@ -1420,8 +1197,7 @@ def _train(cfg, device, rank, world, say):
             # the norm is taken after DDP's all-reduce: another rank's NaN shows here on every rank
             values = torch.stack([loss.detach(), norm.detach().float()])
             new_bad = (bad_step == 0) & ~torch.isfinite(values).all()
-            bad_step = torch.where(new_bad, step + 1, bad_step)
-            bad = torch.where(new_bad, values, bad)
+            bad_step, bad = torch.where(new_bad, step + 1, bad_step), torch.where(new_bad, values, bad)
         skipped += ~stepped
         scheduler.step()
         tokens += lengths.sum() * world
@@ -1432,18 +1208,15 @@ def _train(cfg, device, rank, world, say):
         if not (logging or evaluating or saving):
             continue  # no host read on this step
         if bad_step.item():  # before any checkpoint: never save weights that a non-finite step updated
-            bad_loss, bad_norm = bad.tolist()
-            raise FloatingPointError(f"loss is {bad_loss} (gradient norm {bad_norm}) at step "
-                                     f"{bad_step.item()}: "
-                                     "stopping; no checkpoint is written from this state (lower --lr, or use "
-                                     "--amp bf16/off)")
+            raise FloatingPointError(f"loss is {bad[0].item()} (gradient norm {bad[1].item()}) at step "
+                                     f"{bad_step.item()}: stopping; no checkpoint is written from this state "
+                                     "(lower --lr, or use --amp bf16/off)")
         loss_value = loss.item()
         if logging:
-            acc = ((logits.argmax(-1) == y) & (y != PAD)).sum().item() / (y != PAD).sum().item()
+            batch_acc = ((logits.argmax(-1) == y) & (y != PAD)).sum().item() / (y != PAD).sum().item()
             now, n_skipped = time.time(), skipped.item()
-            lr = scheduler.get_last_lr()[0]
-            say(f"step {done:5d} | loss {loss_value:.4f} | acc {acc:.3f} | lr {lr:.2e} | "
-                f"grad norm {norm.item():.3f} | {tokens.item() / (now - t_log):,.0f} tok/s"
+            say(f"step {done:5d} | loss {loss_value:.4f} | acc {batch_acc:.3f} | lr {scheduler.get_last_lr()[0]:.2e}"
+                f" | grad norm {norm.item():.3f} | {tokens.item() / (now - t_log):,.0f} tok/s"
                 + (f" | skipped {n_skipped}" if n_skipped else ""))
             t_log = now
             tokens.zero_()
@@ -1454,14 +1227,21 @@ def _train(cfg, device, rank, world, say):
                 reached = (done, time.time() - t_start)
                 say(f"held-out accuracy {metrics['accuracy']:.4f} >= 0.99 at step {done}, {reached[1]:.1f} s")
         if saving:
-            checkpoint(done)
+            rngs = [{"cpu": torch.get_rng_state(),
+                     "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}] * world
+            if world > 1:
+                torch.distributed.all_gather_object(rngs, rngs[0])
+            if rank == 0:
+                save_checkpoint(cfg.out, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                          "scaler": scaler.state_dict(), "scheduler": scheduler.state_dict(),
+                                          "step": done, "rng": rngs, "model_config": asdict(mcfg),
+                                          "train_config": asdict(cfg), "world_size": world})
         t_log += time.time() - t_pause
     seconds = time.time() - t_start
     result = {"step": last, "loss": loss_value, "skipped_steps": skipped.item(), "seconds": seconds,
               "steps_to_99": reached and reached[0], "seconds_to_99": reached and reached[1]}
     if rank == 0:
-        metrics = metrics or evaluate(model, held_out, amp_ctx)
-        result.update(metrics)
+        result.update(metrics or evaluate(model, held_out, amp_ctx))
         if cfg.heatmap:
             save_heatmap(model, held_out, cfg, cfg.heatmap)
             say(f"attention heatmap: {cfg.heatmap}")
@@ -1471,10 +1251,9 @@ def _train(cfg, device, rank, world, say):
         torch.distributed.all_gather(gathered, flat)
         result["max_param_diff_across_ranks"] = max((g - gathered[0]).abs().max().item() for g in gathered)
         say(f"max parameter difference across {world} ranks: {result['max_param_diff_across_ranks']:.3g}")
-    if rank == 0:
-        say(f"accuracy={result['accuracy']:.4f} (held-out tokens; {result['seq_accuracy']:.3f} of sequences "
-            f"exact; loss {loss_value:.4f}; {last} steps in {seconds:.1f} s; skipped steps {skipped.item()}; "
-            f"impl={mcfg.impl}, amp={cfg.amp})")
+    say(f"accuracy={result.get('accuracy', float('nan')):.4f} (held-out tokens; "
+        f"{result.get('seq_accuracy', float('nan')):.3f} of sequences exact; loss {loss_value:.4f}; {last} steps "
+        f"in {seconds:.1f} s; skipped steps {result['skipped_steps']}; impl={mcfg.impl}, amp={cfg.amp})")
     return result
 
 
@@ -1510,17 +1289,18 @@ def parse_args(argv=None):
 
 
 # -----------------------------------------------------------------------------
-# Input checks: a clear error that names the problem, kept out of the algorithms' way
+# Input checks, once at each boundary: a clear error that names the problem, kept out of the
+# algorithms' way
 
 
-def _check_attention_args(q, k, v, attn_mask, dropout_p, scale, window_size):
-    """Validate the arguments every path takes; returns (attn_mask ready for mask_block, scale)."""
+def _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size):
+    """The arguments every path takes, checked: (q, k, v, attn_mask ready for mask_block, scale).
+    Under autocast, float32 q, k, v are cast to autocast's dtype, as autocast casts SDPA's."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
     if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"q, k, v must share (B, H), got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
+        raise ValueError(f"q, k, v must share (B, H), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.size(-1) != k.size(-1):
         raise ValueError(f"q and k must share the head dim, got {tuple(q.shape)} and {tuple(k.shape)}")
     if k.size(-2) != v.size(-2):
@@ -1531,9 +1311,13 @@ def _check_attention_args(q, k, v, attn_mask, dropout_p, scale, window_size):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
-    _check_window(window_size)
+    if window_size is not None and (not isinstance(window_size, int) or window_size < 0):
+        raise ValueError(f"window_size must be a non-negative int or None, got {window_size!r}")
+    if q.dtype == torch.float32 and torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
-    return _check_mask(attn_mask, q, k), scale
+    return q, k, v, _check_mask(attn_mask, q, k), scale
 
 
 def _check_mask(attn_mask, q, k):
@@ -1545,9 +1329,8 @@ def _check_mask(attn_mask, q, k):
                         f"{attn_mask.dtype}; for a 0/1 integer mask pass mask.bool() (1 = may attend), for "
                         "nn.MultiheadAttention's convention (1 = ignore) pass ~mask.bool()")
     if attn_mask.device != q.device:
-        raise ValueError(f"attn_mask is on {attn_mask.device} and q on {q.device}: move the mask once, where "
-                         "it is "
-                         "made (a copy in every call would make the host wait for the device)")
+        raise ValueError(f"attn_mask is on {attn_mask.device} and q on {q.device}: move the mask once, where it "
+                         "is made (a copy in every call would make the host wait for the device)")
     target = (q.size(0), q.size(1), q.size(2), k.size(2))
     shape = tuple(attn_mask.shape)
     if len(shape) > 4 or any(m not in (1, t) for m, t in zip(reversed(shape), reversed(target))):
@@ -1557,44 +1340,10 @@ def _check_mask(attn_mask, q, k):
     return attn_mask
 
 
-def _check_ring_args(q, k, v, scale, group, layout):
-    """ring_attention's arguments, and shards of one shape on every rank; returns the scale."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        raise RuntimeError("ring_attention needs a process group: call torch.distributed.init_process_group "
-                           "first (torchrun sets up its environment)")
-    world, problem = torch.distributed.get_world_size(group), None
-    try:  # every rank must refuse together: one that raised alone would leave the others waiting for it
-        _, scale = _check_attention_args(q, k, v, None, 0.0, scale, None)
-        if q.size(-2) != k.size(-2):
-            raise ValueError(f"q and k shards must be as long, got {q.size(-2)} and {k.size(-2)}")
-        _check_ring_layout(q.size(-2) * world, world, layout)
-    except (TypeError, ValueError) as e:
-        problem = str(e)
-    seen = [None] * world  # a shard of another shape or dtype would make the ring exchange fail or hang
-    shard = (tuple(q.shape), tuple(v.shape), str(q.dtype), layout)
-    torch.distributed.all_gather_object(seen, (problem, shard), group=group)
-    refused = [f"rank {i}: {p}" for i, (p, _) in enumerate(seen) if p]
-    if refused:
-        raise ValueError("ring_attention refused its input on " + "; ".join(refused))
-    if len({shard for _, shard in seen}) > 1:
-        raise ValueError("ring_attention needs shards of one shape, dtype and layout on every rank, got "
-                         f"{[shard for _, shard in seen]}")
-    return scale
-
-
-def _check_ring_layout(L, world, layout):
-    if layout not in RING_LAYOUTS:
-        raise ValueError(f"layout must be one of {RING_LAYOUTS}, got {layout!r}")
-    parts = world if layout == "contiguous" else 2 * world
-    if L % parts:
-        why = " (every zigzag shard has two chunks: an even length)" if layout == "zigzag" else ""
-        raise ValueError(f"a {layout} layout cuts the sequence into {parts} equal parts: its length {L} is "
-                         f"not a multiple of {parts}{why}")
-
-
-def _check_window(window_size):
-    if window_size is not None and (not isinstance(window_size, int) or window_size < 0):
-        raise ValueError(f"window_size must be a non-negative int or None, got {window_size!r}")
+def _no_autocast(q):
+    """Autocast switched off where it is on: inside, the inputs' dtypes decide."""
+    on = torch.is_autocast_enabled(q.device.type)
+    return torch.autocast(q.device.type, enabled=False) if on else contextlib.nullcontext()
 
 
 def _chunks(chunk_size):
@@ -1602,6 +1351,16 @@ def _chunks(chunk_size):
     if cq < 1 or ck < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size!r}")
     return cq, ck
+
+
+def _positions(T, max_len, positions):
+    """What a positional encoding indexes its table with: positions (indexing checks their range), or
+    0 .. T-1 after checking T (a slice past the table's end would silently be shorter)."""
+    if positions is not None:
+        return positions
+    if T > max_len:
+        raise ValueError(f"sequence length {T} exceeds max_len={max_len}")
+    return slice(0, T)
 
 
 def _check_range(t, lo, hi, name):
@@ -1624,11 +1383,6 @@ def _check_batch_first(attn, torch_name, our_name):
                          f"takes (T, B, C), while {our_name} takes (B, T, C), so the same tensor would give "
                          "different outputs. Build it with batch_first=True (its weights do not depend on "
                          "the flag), or transpose your inputs and set batch_first = True before converting.")
-
-
-def _check_length(T, max_len):
-    if T > max_len:
-        raise ValueError(f"sequence length {T} exceeds max_len={max_len}")
 
 
 if __name__ == "__main__":

@@ -1,46 +1,37 @@
 """
 study.py: what attention really costs, measured on your own machine.
 
-    python study.py                   # default sweep for this machine (CUDA if present, else CPU) -> runs/<device>/
-    python study.py --quick           # smoke run, under a minute on a 2-core CPU -> runs/<device>-quick/
-    python study.py --out results/cpu # refresh the committed reference (only ever on request)
+    python study.py                    # default sweep (CUDA if present, else CPU) -> runs/<device>/
+    python study.py --quick            # smoke run, under 30 s on a 2-core CPU -> runs/<device>-quick/
+    python study.py --series ring2,ring4 --lengths 1024,4096    # ring attention across 2 and 4 processes
+    python study.py --compare          # flash, chunked, chunked-causal timed side by side at n = 4096
+    python study.py --report --out D   # redraw D's plots and summary.md from D/study.csv
+    python study.py --out results/cpu  # refresh the committed reference (only ever on request)
 
-Sweeps the sequence length n and measures, for every attention path of
-minitransformer (naive, chunked, flash; on CUDA also each fused SDPA kernel forced
-one at a time), forward and forward+backward:
-- time: median of repeats after a warm-up, with device synchronisation;
-- peak memory above the inputs, two ways:
-  peak_mib: the peak of the bytes that PyTorch's allocator holds for the call's
-  tensors (outputs, gradients, temporaries), the same quantity on both devices: on
-  CUDA the allocator's peak statistics, reset per point; on CPU the allocator's own
-  record of every allocation and free, read through the profiler (profile_memory);
-  rss_mib (CPU, Linux): what the process really took from the OS, library
-  workspaces and malloc's overhead included: the peak resident set size (VmHWM,
-  reset through /proc/self/clear_refs) of a separate worker process minus its
-  resident size just before the call; for that call malloc returns every freed
-  block over 128 KiB to the OS at once, so memory left over from earlier calls
-  cannot hide the call's own; the timed calls run with malloc caching blocks up to
-  32 MiB (fixed thresholds: see _CpuPeak);
-- achieved TFLOP/s with FlashAttention's convention (4 * B * H * n^2 * D for a
-  forward pass, halved for causal, x3.5 for forward+backward), and that as a
-  percentage of the matrix-multiply rate measured on the same device in the same run.
+It sweeps the sequence length n and measures every attention path of minitransformer (naive,
+chunked, flash; on CUDA also each fused SDPA kernel forced in turn), forward and
+forward+backward:
+- time: the median of repeats after a warm-up, with device synchronisation;
+- peak_mib: the peak of the bytes PyTorch's allocator holds for the call's tensors (outputs,
+  gradients, temporaries) above the inputs, the same quantity on both devices: on CUDA the
+  allocator's peak statistics; on CPU its record of every allocation and free (the profiler);
+- rss_mib (CPU, Linux only: it needs /proc): what the process took from the OS, library
+  workspaces and malloc's overhead included (see _CpuPeak);
+- TFLOP/s with FlashAttention's convention, and as a percentage of the matmul rate measured in
+  the same run.
 
-Each point runs in a worker process whose memory is bounded by --mem-budget (CPU:
-4 GiB, the memory of a small GPU; CUDA: the GPU's memory): a point that needs more
-is recorded as out of memory and its curve stops there, which is where "the memory
-wall" of each path is read. Rows are appended to <out>/study.csv as they are
-measured (--resume skips the points already there). Plots, fitted exponents (only
-where the range and the data can carry them), the memory wall, a summary and a
-"claims checked" section follow.
-
-Where a run writes: the committed reference results live in results/<device>/, and
-no run replaces them unless --out says so. The default sweep writes to
-runs/<device>/, --quick to runs/<device>-quick/, any other change of what is
-measured to runs/<device>-custom/, --compare to runs/<device>-compare/ (runs/ is
-git-ignored).
+Each point runs in a worker process with a memory budget (--mem-budget; CPU: 4 GiB, a small
+GPU's memory; CUDA: the GPU's own). A point that needs more is recorded as out of memory and
+its curve stops there: that is the memory wall. On Linux the budget is the worker's address
+space (RLIMIT_AS); where the OS has no such limit, a point is not run when the curve's last
+allocator peak, scaled by (n'/n)^2, exceeds the budget. Rows go to <out>/study.csv as they are
+measured (--resume skips those already there); plots, exponents, the wall and a summary follow.
+The committed reference (results/<device>) is written only when --out names it; other runs go
+to runs/ (git-ignored).
 """
 
 import argparse
+import contextlib
 import csv
 import ctypes
 import inspect
@@ -48,7 +39,6 @@ import math
 import multiprocessing as mp
 import os
 import platform
-import resource
 import statistics
 import sys
 import tempfile
@@ -60,6 +50,15 @@ from multiprocessing.connection import wait
 import torch
 
 import minitransformer as mt
+import ring_attention
+
+try:  # POSIX only
+    import resource
+except ImportError:
+    resource = None
+# Linux: a peak RSS that can be reset and read (/proc), and an address-space limit that the
+# kernel enforces (RLIMIT_AS). Elsewhere rss_mib stays empty and the memory wall is predicted.
+LINUX_MEMORY = sys.platform.startswith("linux") and os.path.exists("/proc/self/clear_refs") and resource is not None
 
 COLUMNS = ["device", "torch", "dtype", "series", "path", "kernel", "mode", "causal", "window", "B", "H", "D",
            "n", "world", "ms", "comm_ms", "peak_mib", "rss_mib", "tflops", "pct_matmul", "matmul_tflops",
@@ -213,11 +212,16 @@ def _proc_kib(field):
 
 
 def _available_bytes():
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 8 * 2**30
+    """Memory available now (Linux), else the machine's physical memory, else None."""
+    if os.path.exists("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # Windows
+        return None
 
 
 class _CpuPeak:
@@ -249,18 +253,50 @@ class _CpuPeak:
             self.libc.mallopt(M_TRIM_THRESHOLD, 64 * MIB)
 
 
+@contextlib.contextmanager
+def _stderr_silenced():
+    """File descriptor 2 sent to the null device: the profiler's start and stop each log a line there
+    (Kineto, below Python), which would drown the study's own output."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+class _Profiler:
+    """torch.profiler on the CPU, with its start and stop silenced (only those: the call profiled
+    writes to stderr as usual)."""
+
+    def __init__(self, **kwargs):
+        self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], **kwargs)
+
+    def __enter__(self):
+        with _stderr_silenced():
+            self.prof.__enter__()
+        return self.prof
+
+    def __exit__(self, *exc):
+        with _stderr_silenced():
+            self.prof.__exit__(*exc)
+
+
 class _AllocPeak:
     """Peak bytes held by PyTorch's CPU allocator during a call, from its own record of every
     allocation and free (the profiler's memory events): tensors only, exact, no OS noise."""
 
     def __enter__(self):
-        self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        self.prof = _Profiler(profile_memory=True)
         self.prof.__enter__()
         return self
 
     def __exit__(self, *exc):
         self.prof.__exit__(*exc)
-        events = sorted((e.start_ns(), e.nbytes()) for e in self.prof.profiler.kineto_results.events()
+        events = sorted((e.start_ns(), e.nbytes()) for e in self.prof.prof.profiler.kineto_results.events()
                         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
         held = peak = 0
         for _, nbytes in events:  # frees come as negative sizes
@@ -310,7 +346,7 @@ def _attention_call(spec, q, k, v):
     if path == "chunked":
         return (lambda: mt.chunked_attention(q, k, v, chunk_size=spec["chunk_size"], **kw)), "chunked"
     if path == "ring":
-        return (lambda: mt.ring_attention(q, k, v, is_causal=spec["causal"])), "ring"
+        return (lambda: ring_attention.ring_attention(q, k, v, is_causal=spec["causal"])), "ring"
     return (lambda: mt.naive_attention(q, k, v, **kw)[0]), "naive"
 
 
@@ -383,7 +419,7 @@ def measure_point(spec):
     with (_CudaPeak() if cuda else _AllocPeak()) as alloc:  # on CPU this call is also the warm-up
         step()
     rss = None
-    if not cuda:
+    if not cuda and LINUX_MEMORY:
         work.clear_grads()
         with _CpuPeak() as peak:
             step()
@@ -405,7 +441,7 @@ def _ring_wait_ms(work, step):
     if work.device.type == "cuda":
         return None
     work.clear_grads()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with _Profiler() as prof:
         step()
     return sum(e.cpu_time_total for e in prof.key_averages() if e.key == "ring_attention.wait") / 1e3
 
@@ -499,7 +535,9 @@ def _cap_address_space(budget_bytes):
     resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
 
 
-def _worker(conn, device, budget_bytes, rank=0, world=1, store=None):
+def _worker(conn, device, budget_bytes, rank=0, world=1, store=None, linux_memory=LINUX_MEMORY):
+    global LINUX_MEMORY
+    LINUX_MEMORY = linux_memory  # the parent's answer (tests simulate another OS there)
     if world > 1:  # one rank of a ring series: a process group, the cores shared among the ranks
         torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{store}",
                                              rank=rank, world_size=world)
@@ -513,7 +551,7 @@ def _worker(conn, device, budget_bytes, rank=0, world=1, store=None):
         _warm_up_cpu()
     while (spec := conn.recv()) is not None:
         try:
-            if budget_bytes and device == "cpu":
+            if budget_bytes and device == "cpu" and LINUX_MEMORY:
                 _cap_address_space(budget_bytes)
             measure = {"matmul": measure_matmul, "compare": measure_compare,
                        "device": describe_device}.get(spec.get("kind"), measure_point)
@@ -538,8 +576,8 @@ class WorkerRunner:
         self.conns, self.procs = [], []
         for rank in range(self.world):
             conn, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(child, self.device, self.budget_bytes, rank, self.world, store),
-                               daemon=True)
+            proc = ctx.Process(target=_worker, daemon=True, args=(child, self.device, self.budget_bytes, rank,
+                                                                   self.world, store, LINUX_MEMORY))
             proc.start()
             self.conns.append(conn)
             self.procs.append(proc)
@@ -631,6 +669,7 @@ class Series:
     max_n: int | None = None  # longest n for this series (None: every length of the sweep)
     chunk_size: int | tuple | None = None  # blocks of a chunked series (None: --chunk-size or the default)
     world: int = 1  # processes: a ring series cuts the sequence across `world` of them
+    default: bool = True  # in the sweep when --series names none
 
 
 # The default CPU sweep, 256..16384 within about 2 minutes on 2 cores (results/cpu):
@@ -643,13 +682,14 @@ class Series:
 # - chunked-causal stops at 4096, where its block-skipping speed-up shows;
 # - flash-window256 stops at 4096: SDPA takes a window only as an (n, n) mask, whose memory
 #   grows as n^2;
-# - ring2 cuts the sequence across 2 processes (1 thread each) and goes on to 16384.
+# - ring2 and ring4 (the sequence cut across 2 and 4 processes, 1 thread each) run only when
+#   --series names them: at 16384 a ring point takes minutes here.
 CPU_DEFAULT_CAPS = {"chunked": 8192, "flash": 8192, "chunked-causal": 4096, "flash-window256": 4096}
 
 
 def default_series(device, causal, window, caps=None):
-    """naive, chunked, flash (+ each fused SDPA kernel on CUDA), chunked-causal, chunked-window<w>, flash-window<w>,
-    ring2 (2 processes: gloo on CPU, NCCL where there are 2 GPUs or more).
+    """naive, chunked, flash (+ each fused SDPA kernel on CUDA), chunked-causal, chunked-window<w>, flash-window<w>;
+    outside the default, ring2 and ring4 (P processes: gloo on CPU, NCCL where there are P GPUs or more).
 
     caps: {series name: longest n}, for series that need not go to the sweep's longest
     length to make their point.
@@ -662,8 +702,9 @@ def default_series(device, causal, window, caps=None):
     if window:
         series.append(Series(f"chunked-window{window}", "chunked", causal, window))
         series.append(Series(f"flash-window{window}", "flash", causal, window))  # the window as an (n, n) mask
-    if device.type == "cpu" or torch.cuda.device_count() >= 2:
-        series.append(Series("ring2", "ring", causal, world=2))
+    for P in (2, 4):
+        if device.type == "cpu" or torch.cuda.device_count() >= P:
+            series.append(Series(f"ring{P}", "ring", causal, world=P, default=False))
     return [replace(s, max_n=(caps or {}).get(s.name)) for s in series]
 
 
@@ -707,9 +748,16 @@ class CsvLog:
         self.f.close()
 
 
-def sweep(points, runner, log, done, ceiling, say=print):
-    """Measure every point not in `done`; OOM stops that curve, any other error stops the run."""
+def sweep(points, runner, log, done, ceiling, say=print, predict_wall=False):
+    """Measure every point not in `done`; OOM stops that curve, any other error stops the run.
+
+    predict_wall: no limit holds the worker to its budget (an OS without RLIMIT_AS), so a point
+    whose curve's last allocator peak, times (n / n_last)^2, exceeds the budget is recorded as out
+    of memory without running: no path here grows faster than n^2, so this never lets a point
+    run that would need more.
+    """
     stopped = set()  # (series, mode) that ran out of memory at a smaller n
+    last_peak = {}  # (series, mode): (n, peak MiB) of its last point measured
     total = len(points)
     for i, p in enumerate(points, 1):
         base = {c: p.get(c, "") for c in COLUMNS}
@@ -717,11 +765,18 @@ def sweep(points, runner, log, done, ceiling, say=print):
         if _key(base) in done:
             say(f"{label}: already measured, skipped (--resume)")
             continue
-        if (p["series"], p["mode"]) in stopped:
+        curve, budget_mib = (p["series"], p["mode"]), 1024 * float(p.get("mem_budget_gib") or "inf")
+        if curve in stopped:
             row = {**base, "status": "skipped: oom or unsupported at smaller n"}
         else:
             try:
+                if predict_wall and curve in last_peak:
+                    n0, peak = last_peak[curve]
+                    if peak * (p["n"] / n0) ** 2 > budget_mib:
+                        raise PointOOM(f"predicted: {peak:.0f} MiB at n={n0} x (n/{n0})^2 = "
+                                       f"{peak * (p['n'] / n0) ** 2:.0f} MiB > the budget (no RLIMIT_AS here)")
                 r = runner(p)
+                last_peak[curve] = (p["n"], r["peak_mib"])
                 flops = computed_flops(p)
                 tflops = flops / (r["ms"] / 1e3) / 1e12
                 row = {**base, "kernel": r["kernel"], "ms": f"{r['ms']:.3f}", "peak_mib": f"{r['peak_mib']:.1f}",
@@ -733,7 +788,7 @@ def sweep(points, runner, log, done, ceiling, say=print):
             except PointOOM as e:
                 stopped.add((p["series"], p["mode"]))
                 row = {**base, "status": f"oom: {e}"[:120]}
-                say(f"{label}: out of memory, curve stops here")
+                say(f"{label}: out of memory ({str(e)[:60]}), curve stops here")
             except PointUnsupported as e:
                 stopped.add((p["series"], p["mode"]))
                 row = {**base, "status": f"unsupported: {e}"[:120]}
@@ -1128,6 +1183,8 @@ def configure(args, p):
             except argparse.ArgumentTypeError as e:
                 p.error(str(e))
         series = chosen
+    elif not args.list:
+        series = [s for s in series if s.default]
     return device, lengths, series
 
 
@@ -1209,7 +1266,8 @@ def main(argv=None, runner=None):
         args.series = args.series or "flash,chunked,chunked-causal"
     device, lengths, series = configure(args, p)
     if args.list:
-        print("\n".join(s.name for s in series))
+        print("\n".join(s.name + ("" if s.default or args.series else "  (only when --series names it)")
+                        for s in series))
         return
     out = out_dir(args, p, device)
     os.makedirs(out, exist_ok=True)
@@ -1273,10 +1331,16 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
                   if s.max_n is None or n <= s.max_n]  # n outermost: paths side by side
         print(f"study: {title}; {len(points)} points -> {csv_path}")
         print(f"matmul ceiling: {ceiling:.3f} TFLOP/s ({dtype}, measured now)")
-        sweep(points, lambda pt: runner({**pt, "device": info["device"]}), log, done, ceiling)
+        sweep(points, lambda pt: runner({**pt, "device": info["device"]}), log, done, ceiling,
+              predict_wall=info["device"] == "cpu" and not LINUX_MEMORY)
     finally:
         log.close()
-    write_report(csv_path, out, title, f"sweep took {time.time() - t0:.0f} s; command: `{command}`")
+    note = f"sweep took {time.time() - t0:.0f} s; command: `{command}`"
+    if info["device"] == "cpu" and not LINUX_MEMORY:
+        note += ("\n\nNot measured on this OS: rss_mib (it needs Linux's /proc/self to reset and read a peak RSS). "
+                 "The memory wall is predicted (no RLIMIT_AS here): a point is not run when its curve's last "
+                 "allocator peak, times (n / n_last)^2, exceeds the budget.")
+    write_report(csv_path, out, title, note)
 
 
 def write_report(csv_path, out, title, note):

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import minitransformer as mt
+import ring_attention as ring
 import study
 
 CUDA = torch.cuda.is_available()
@@ -298,7 +299,7 @@ def test_a_finite_bias_stays_finite_in_a_narrower_dtype():
         got = mt._finite_bias(bias, dtype)
         assert got.dtype == dtype and torch.isfinite(got[:3]).all() and torch.isneginf(got[3])
         assert got[2] == torch.finfo(dtype).min and got[4] == min(1e6, torch.finfo(dtype).max)
-    base2 = mt._base2_bias(bias, torch.float32)  # times log2(e): finfo.min would overflow
+    base2 = mt._finite_bias(bias, torch.float32, mt.LOG2E)  # the chunked path's base-2 bias: no overflow
     assert torch.isfinite(base2[[0, 1, 2, 4]]).all() and torch.isneginf(base2[3])
 
 
@@ -326,20 +327,24 @@ def test_float32_bias_keeps_its_precision(impl, dtype, autocast):
         assert err <= 2 * std_err, f"{name}: error {err:.3g} > 2 x standard attention's {std_err:.3g}"
 
 
-@pytest.mark.parametrize("impl", ["naive", "chunked"])
-def test_autocast_does_not_lower_the_computation(impl):
-    # under torch.autocast the products inside a path must stay in float32; the backward runs outside
-    # autocast, as in a training step, and must agree with the forward's probabilities
+@pytest.mark.parametrize("impl", mt.IMPLS)
+def test_autocast_computes_float32_inputs_as_sdpa_does(impl):
+    # under autocast SDPA casts float32 q, k, v to autocast's dtype and returns that dtype: every path does the
+    # same. The output and the gradients (the backward outside autocast, as in a training step) are exactly
+    # those of the path called on the cast inputs without autocast: autocast reaches no product inside it
     q, k, v = (t.float() for t in make_qkv(1, 2, 256, 256, 32, seed=4))
     q, k = q * 2, k * 2
-    dout = torch.randn(1, 2, 256, 32, generator=torch.Generator().manual_seed(9))
-    want = grads_of(lambda q, k, v: run_path(impl, q, k, v, is_causal=True), q, k, v, dout)
+    dout = torch.randn(1, 2, 256, 32, generator=torch.Generator().manual_seed(9)).bfloat16()
+    want = grads_of(lambda q, k, v: run_path(impl, q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True),
+                    q, k, v, dout)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = run_path(impl, *leaves, is_causal=True)
+        sdpa_dtype = F.scaled_dot_product_attention(q, k, v, is_causal=True).dtype
     got = [out.detach()] + list(torch.autograd.grad(out, leaves, dout))
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert out.dtype == sdpa_dtype == torch.bfloat16
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("impl", mt.IMPLS)
@@ -496,6 +501,40 @@ def test_flash_never_falls_back_silently():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's own note on why its flash kernel refuses
             mt.flash_attention(q, k, v, dropout_p=0.1)  # the only enabled kernel refuses dropout on CPU
+
+
+def test_flash_asks_about_the_very_inputs_sdpa_gets(monkeypatch):
+    # the kernel reported is the kernel that runs: SDPA's kernel query sees the mask object, dtype and flag that
+    # SDPA itself then gets, for every kind of mask (on CUDA flash converts and re-opens masks before asking)
+    asked, got = [], []
+    chosen, sdpa = mt._chosen_kernel, F.scaled_dot_product_attention
+    monkeypatch.setattr(mt, "_chosen_kernel", lambda q, k, v, m, p, c, s: asked.append((m, c)) or chosen(q, k, v, m, p, c, s))
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda q, k, v, m, p, c, scale: got.append((m, c)) or sdpa(q, k, v, m, p, c, scale=scale))
+    q, k, v = make_qkv(2, 2, 33, 33, 16, dtype=torch.bfloat16)
+    for mask_kind in MASKS:
+        for mask_dtype in (torch.float64, torch.float32, torch.bfloat16):
+            _, _, kw = make_mask(mask_kind, 2, 2, 33, 33)
+            if kw.get("attn_mask") is not None and kw["attn_mask"].is_floating_point():
+                kw["attn_mask"] = kw["attn_mask"].to(mask_dtype)
+            mt.flash_attention(q, k, v, on_math="allow", window_size=5 if mask_kind == "none" else None, **kw)
+            assert asked[-1][0] is got[-1][0] and asked[-1][1] == got[-1][1], (mask_kind, mask_dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
+def test_cuda_flash_reports_the_kernel_that_runs_with_a_float32_mask(backend):
+    # bfloat16 q with a float32 padding bias that has dead rows: flash converts the mask to q's dtype and re-opens
+    # the dead rows before asking SDPA which kernel runs; the profiler sees that kernel's op run
+    q, k, v = make_qkv(2, 2, 64, 64, 64, dtype=torch.bfloat16, device="cuda")
+    bias = torch.zeros(2, 1, 64, 64, device="cuda").masked_fill(~mt.padding_mask(torch.tensor([64, 0]), 64).cuda(),
+                                                                  -math.inf)
+    ops = {"efficient": "efficient_attention", "cudnn": "cudnn_attention", "math": "attention_math"}
+    with sdpa_kernel([backend, SDPBackend.MATH]):
+        kernel = mt.sdpa_kernel_name(q, k, v, attn_mask=bias)
+        with torch.profiler.profile() as prof:
+            mt.flash_attention(q, k, v, attn_mask=bias, on_math="allow")
+    assert any(ops[kernel] in e.key for e in prof.key_averages()), (kernel, [e.key for e in prof.key_averages()])
 
 
 @pytest.mark.parametrize("impl", mt.IMPLS)
@@ -743,11 +782,15 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="d_model=30 is not divisible by n_heads=4"):
         mt.MultiHeadAttention(30, 4)
     with pytest.raises(ValueError, match="d_model=30 is not divisible by n_heads=4"):
-        mt.EncoderConfig(d_model=30, n_heads=4)
+        mt.Encoder(mt.EncoderConfig(d_model=30, n_heads=4))
     with pytest.raises(ValueError, match=r"impl must be one of \('naive', 'chunked', 'flash'\)"):
         mt.attention(q, k, v, impl="fast")
     with pytest.raises(ValueError, match="impl must be one of"):
-        mt.EncoderConfig(impl="fast")
+        mt.Encoder(mt.EncoderConfig(impl="fast"))
+    with pytest.raises(ValueError, match="pos_encoding must be one of"):
+        mt.EncoderConfig(pos_encoding="alibi")
+    with pytest.raises(ValueError, match="rope needs an even head size|RoPE needs an even head size, got 33"):
+        mt.Encoder(mt.EncoderConfig(d_model=66, n_heads=2, pos_encoding="rope"))
     with pytest.raises(ValueError, match=r"q must be 4-D .* got shape \(2, 8, 16\)"):
         mt.attention(q[0], k, v)
     with pytest.raises(ValueError, match=r"expected x of shape \(B, T, 64\), got \(2, 5, 32\)"):
@@ -1007,9 +1050,9 @@ def ring_attention_case(rank, world, dtype, layout, causal):
     tril = torch.ones(RING_L, RING_L, dtype=torch.bool).tril()
     standard = lambda q, k, v: standard_attention(q, k, v, tril if causal else None)  # noqa: E731
     ref = grads_of(sdpa, q, k, v, dout)
-    shard = lambda t: mt.shard_sequence(t, rank, world, layout)  # noqa: E731
+    shard = lambda t: ring.shard_sequence(t, rank, world, layout)  # noqa: E731
     low = [shard(t).to(dtype) for t in (q, k, v, dout)]
-    ours = grads_of(lambda q, k, v: mt.ring_attention(q, k, v, is_causal=causal, layout=layout), *low)
+    ours = grads_of(lambda q, k, v: ring.ring_attention(q, k, v, is_causal=causal, layout=layout), *low)
     errors = {"ring": [(x.double() - shard(r)).abs().max().item() for x, r in zip(ours, ref)]}
     if dtype != torch.float64:
         std = grads_of(standard, *(t.to(dtype) for t in (q, k, v, dout)))
@@ -1029,17 +1072,17 @@ def ring_encoder_case(rank, world, layout, pos_encoding, causal):
         warnings.simplefilter("ignore")  # small heads
         torch.manual_seed(0)
         full = mt.Encoder(mt.EncoderConfig(impl="chunked", **cfg)).double()
-        ring = mt.Encoder(mt.EncoderConfig(impl="ring", ring_layout=layout, **cfg)).double()
-    ring.load_state_dict(full.state_dict())
+        sharded = ring.ShardedEncoder(mt.Encoder(mt.EncoderConfig(**cfg)).double(), layout=layout)
+    sharded.encoder.load_state_dict(full.state_dict())
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 16, (2, 48), generator=g)
     w = torch.randn(2, 48, 32, generator=g, dtype=torch.float64)
     out = full(idx, is_causal=causal)
     (out * w).sum().backward()
-    shard = lambda t: mt.shard_sequence(t, rank, world, layout, dim=1)  # noqa: E731
-    out_shard = ring(shard(idx), is_causal=causal)
+    shard = lambda t: ring.shard_sequence(t, rank, world, layout, dim=1)  # noqa: E731
+    out_shard = sharded(shard(idx), is_causal=causal)
     (out_shard * shard(w)).sum().backward()
-    grads = torch.cat([p.grad.reshape(-1) for p in ring.parameters()])
+    grads = torch.cat([p.grad.reshape(-1) for p in sharded.parameters()])
     torch.distributed.all_reduce(grads)  # each rank's loss covers its shard: the gradients add up
     want = torch.cat([p.grad.reshape(-1) for p in full.parameters()])
     return [(out_shard - shard(out)).abs().max().item(), (grads - want).abs().max().item()]
@@ -1051,9 +1094,27 @@ def ring_errors_case(rank, world):
     for n, layout in ((8 if rank == 0 else 6, "contiguous"), (5, "zigzag"), (5 if rank == 0 else 6, "zigzag")):
         q = torch.randn(1, 2, n, 8)
         try:
-            mt.ring_attention(q, q, q, layout=layout)
+            ring.ring_attention(q, q, q, layout=layout)
         except ValueError as e:
             messages.append(str(e))
+    # what the ring does not do is refused on the rank that asks, before any message is sent
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # small heads
+        cfg = dict(vocab_size=16, max_len=64, d_model=32, n_heads=2, n_layers=1, d_ff=64)
+        x = torch.randn(1, 8, 32)
+        refusals = [lambda: mt.MultiHeadAttention(32, 2, impl=ring.ring_impl())(x, need_weights=True),
+                    lambda: mt.MultiHeadAttention(32, 2, impl=ring.ring_impl(), window_size=3)(x),
+                    lambda: mt.MultiHeadAttention(32, 2, impl=ring.ring_impl())(x, torch.ones(8, 8, dtype=torch.bool)),
+                    lambda: ring.ShardedEncoder(mt.Encoder(mt.EncoderConfig(dropout=0.1, **cfg))),
+                    lambda: ring.ShardedEncoder(mt.Encoder(mt.EncoderConfig(window_size=4, **cfg))),
+                    lambda: ring.ShardedEncoder(mt.Encoder(mt.EncoderConfig(**cfg))).encoder.attention_weights(
+                        torch.zeros(1, 8, dtype=torch.long))]
+        for refused in refusals:
+            try:
+                refused()
+                messages.append("not refused")
+            except ValueError as e:
+                messages.append(str(e))
     return messages
 
 
@@ -1094,7 +1155,7 @@ def test_ring_attention_equals_full_attention(world, tmp_path):
     # float64: within 1e-10 of SDPA's math kernel on the whole sequence, output and q, k, v gradients; bfloat16:
     # FlashAttention's rule (2x standard attention in bfloat16 + 1e-5, on the same shard); P = 1: the chunked path
     cases = [("attention", dtype, layout, causal) for dtype in (torch.float64, torch.bfloat16)
-             for layout in mt.RING_LAYOUTS for causal in (False, True)]
+             for layout in ring.RING_LAYOUTS for causal in (False, True)]
     for case, per_rank in run_ring(world, cases, tmp_path).items():
         for errors in per_rank:
             if case[1] == torch.float64:
@@ -1107,18 +1168,22 @@ def test_ring_attention_equals_full_attention(world, tmp_path):
 
 
 def test_ring_encoder_equals_the_unsharded_encoder_and_bad_input_is_refused(tmp_path):
-    cases = [("encoder", layout, pos, True) for layout in mt.RING_LAYOUTS for pos in POS] + [("errors",)]
+    cases = [("encoder", layout, pos, True) for layout in ring.RING_LAYOUTS for pos in POS] + [("errors",)]
     results = run_ring(2, cases, tmp_path)
     for case in cases[:-1]:
         for out_err, grad_err in results[case]:
             assert out_err < 1e-10 and grad_err < 1e-10, (case, out_err, grad_err)
-    for messages in results[("errors",)]:
-        assert len(messages) == 3  # every case raised on every rank: none left another waiting
+    for rank, messages in enumerate(results[("errors",)]):
+        assert len(messages) == 9  # every case raised on every rank: none left another waiting
         assert "ring_attention needs shards of one shape, dtype and layout on every rank" in messages[0]
-        assert "rank 0: a zigzag layout cuts the sequence into 4 equal parts" in messages[1] and "even" in messages[1]
+        assert f"rank {rank}: a zigzag layout cuts the sequence into 4 equal parts" in messages[1]
+        assert "even" in messages[1] and all(f"rank {r}:" in messages[1] for r in range(2))
         assert "refused its input on rank 0:" in messages[2] and "rank 1" not in messages[2]
+        assert ("a zigzag layout" in messages[2]) == (rank == 0)  # the rank at fault names its problem
+        assert "need_weights" in messages[3] and "no window_size" in messages[4] and "no attn_mask" in messages[5]
+        assert "no dropout" in messages[6] and "window_size=4" in messages[7] and "need_weights" in messages[8]
     with pytest.raises(RuntimeError, match="ring_attention needs a process group"):
-        mt.ring_attention(*(torch.randn(1, 2, 8, 8) for _ in range(3)))
+        ring.ring_attention(*(torch.randn(1, 2, 8, 8) for _ in range(3)))
 
 
 POS = ("sinusoidal", "learned", "rope")
@@ -1358,6 +1423,41 @@ def test_study_measures_a_ring_series_across_two_processes(tmp_path):
     assert ring["world"] == "2" and ring["kernel"] == "ring" and 0 <= float(ring["comm_ms"]) <= float(ring["ms"])
     assert rows[("chunked", 256)]["comm_ms"] == "" and rows[("chunked", 256)]["world"] == "1"
     assert "| ring2 (P=2) | fwd+bwd | 256 |" in (tmp_path / "summary.md").read_text()
+
+
+def test_study_without_proc_or_rlimit_measures_what_it_can_and_predicts_the_wall(tmp_path, monkeypatch):
+    # macOS and Windows have no /proc/self/clear_refs and no enforced RLIMIT_AS: the real workers measure
+    # time and the allocator's peak, leave rss_mib empty, and the wall is predicted from the allocator peak
+    monkeypatch.setattr(study, "LINUX_MEMORY", False)  # passed to the spawned workers by the parent
+    study.main(["--device", "cpu", "--lengths", "128,512,4096", "--series", "naive,chunked", "--heads", "4",
+                "--head-dim", "16", "--mode", "fwd", "--out", str(tmp_path), "--target-seconds", "0.02",
+                "--mem-budget", "0.5"])
+    rows = {(r["series"], int(r["n"])): r for r in study.read_rows(tmp_path / "study.csv")}
+    naive = rows.pop(("naive", 4096))["status"]  # 2 x 4 x 4096^2 float32: 512 MiB, over the budget
+    assert naive.startswith("oom: predicted") and "no RLIMIT_AS here" in naive
+    assert all(r["status"] == "ok" and r["rss_mib"] == "" and float(r["peak_mib"]) > 0 for r in rows.values())
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Not measured on this OS: rss_mib" in summary and "| naive | fwd | 512 | 4096 | 0.5 GiB |" in summary
+
+
+def test_study_imports_where_the_resource_module_is_missing():
+    # Windows has no `resource` module: importing study must work, and it knows it cannot cap memory there
+    code = "import sys; sys.modules['resource'] = None; import study; assert not study.LINUX_MEMORY; print('ok')"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
+
+
+def test_ring_series_run_only_when_named(tmp_path, capsys):
+    calls = []
+    study.main(["--device", "cpu", "--out", str(tmp_path / "a")], runner=fake_runner(calls))  # the default sweep
+    assert calls and not any(series.startswith("ring") for series, _, _ in calls)
+    study.main(["--device", "cpu", "--list"])
+    listed = capsys.readouterr().out
+    assert "ring2  (only when --series names it)" in listed and "ring4  (only when --series names it)" in listed
+    study.main(["--device", "cpu", "--lengths", "64,128", "--series", "ring4", "--out", str(tmp_path / "b")],
+               runner=fake_runner(calls := []))
+    assert {series for series, _, _ in calls} == {"ring4"}
 
 
 def test_an_exponent_needs_three_doublings_and_growth_above_noise():

@@ -1,0 +1,273 @@
+"""
+ring_attention: attention over a sequence cut across the ranks of a process group, built on
+minitransformer's chunked path (Liu et al. 2023, "Ring Attention with Blockwise Transformers",
+https://arxiv.org/abs/2310.01889).
+
+Each of P ranks holds a shard of the sequence: its queries Q_r and its keys and values K_r, V_r.
+The K/V blocks travel around the ring: at step s rank r holds block j = (r - s) mod P, runs the
+chunked forward's block update (minitransformer.attend_block) of its queries against it, and
+meanwhile passes the block on to rank r + 1. Since the update carries the running row max m,
+normaliser l and output o from one key block to the next, the ring is the chunked path
+continued across devices: after P steps out = o / l, exactly as on one device.
+
+The backward runs the chunked backward's block update (attend_block_backward) at every step,
+against the final m and l, so that each step recomputes exactly its share of the probabilities.
+dK and dV travel the ring with their block until they are home: each rank adds its own share
+into the gradients that arrived, then sends them on, so that they travel while the next step
+computes. Causal attention skips the steps that it masks entirely; with the zigzag layout (rank
+r holds chunks r and 2P-1-r of 2P) every rank does the same work a step.
+
+    torchrun --nproc_per_node=2 your_script.py   # a process group; then, on every rank:
+    out = ring_attention(shard_sequence(q, rank, P), shard_sequence(k, rank, P), ...)
+    hidden = ShardedEncoder(Encoder(config))(shard_sequence(idx, rank, P, dim=1))
+"""
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import minitransformer as mt
+
+RING_LAYOUTS = ("contiguous", "zigzag")
+
+
+def shard_sequence(x, rank, world_size, layout="contiguous", dim=-2):
+    """Rank `rank`'s shard of x along dim: positions [r*L/P, (r+1)*L/P) ("contiguous"), or chunks
+    r and 2P-1-r of 2P, concatenated ("zigzag")."""
+    _check_ring_layout(x.size(dim), world_size, layout)
+    if layout == "contiguous":
+        return x.chunk(world_size, dim)[rank]
+    chunks = x.chunk(2 * world_size, dim)
+    return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim)
+
+
+@torch.compiler.disable  # point-to-point messages have no place in a compiled graph
+def ring_attention(q, k, v, is_causal=False, scale=None, *, group=None, layout="contiguous"):
+    """softmax(Q K^T * scale) V over a sequence sharded across the ranks of a process group.
+
+    q (B, H, L/P, D), k (B, H, L/P, D), v (B, H, L/P, Dv): this rank's shard, in `layout`
+    (shard_sequence); returns this rank's shard of the output, (B, H, L/P, Dv). group=None:
+    the default process group. Differentiable; float16 and bfloat16 follow the chunked path,
+    and under autocast float32 inputs are computed in autocast's dtype, as by SDPA. Every rank
+    checks that all shards agree; on a GPU without a host sync (a device-side assert).
+    """
+    q, k, v, scale = _check_ring_args(q, k, v, scale, group, layout)
+    return _RingAttention.apply(q, k, v, is_causal, scale, group, layout)
+
+
+def ring_impl(group=None, layout="contiguous"):
+    """ring_attention as a MultiHeadAttention impl (minitransformer.attention's impl=): it refuses
+    what the ring does not do, a mask, dropout and a window, with a clear error."""
+    return functools.partial(_ring_impl, group=group, layout=layout)
+
+
+def _ring_impl(q, k, v, attn_mask, dropout_p, is_causal, scale, *, window_size, group, layout):
+    if attn_mask is not None or dropout_p > 0.0 or window_size is not None:
+        raise ValueError(f"ring attention takes no attn_mask, no dropout and no window_size, got attn_mask="
+                         f"{None if attn_mask is None else tuple(attn_mask.shape)}, dropout_p={dropout_p}, "
+                         f"window_size={window_size}")
+    return ring_attention(q, k, v, is_causal, scale, group=group, layout=layout)
+
+
+class ShardedEncoder(nn.Module):
+    """A minitransformer Encoder run on this rank's shard of every sequence, its attention the ring.
+
+    forward(idx, is_causal): idx (B, T/P), this rank's shard of token ids (shard_sequence, dim=1,
+    in `layout`) -> this rank's shard of the hidden states, (B, T/P, d_model). Positions are the
+    tokens' places in the whole sequence. The encoder's config needs dropout=0.0 and
+    window_size=None; its weights are the encoder's own (a state_dict moves freely between them).
+    """
+
+    def __init__(self, encoder, group=None, layout="contiguous"):
+        super().__init__()
+        c = encoder.config
+        if c.dropout or c.window_size is not None:
+            raise ValueError(f"the ring has no dropout and no window: build the encoder with dropout=0.0 and "
+                             f"window_size=None, got dropout={c.dropout}, window_size={c.window_size}")
+        if layout not in RING_LAYOUTS:
+            raise ValueError(f"layout must be one of {RING_LAYOUTS}, got {layout!r}")
+        self.encoder, self.group, self.layout = encoder, group, layout
+        for layer in encoder.layers:
+            layer.self_attn.impl = ring_impl(group, layout)
+
+    def forward(self, idx, is_causal=False):
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        T = idx.size(1) * world
+        if T > self.encoder.config.max_len:
+            raise ValueError(f"the whole sequence, {world} shards of {idx.size(1)} tokens, exceeds max_len="
+                             f"{self.encoder.config.max_len}")
+        positions = shard_sequence(torch.arange(T, device=idx.device), rank, world, self.layout, dim=0)
+        return self.encoder(idx, is_causal=is_causal, positions=positions)
+
+
+# -----------------------------------------------------------------------------
+# The ring's steps, forward and backward
+
+
+def _ring_steps(rank, world, n, is_causal, layout):
+    """For each step s, the work it computes: [(rows, cols, causal)], the local query rows and visiting
+    key columns that see each other and whether causality still masks within them (the diagonal);
+    [] for a step that causality masks entirely."""
+    steps, whole, half = [], slice(0, n), n // 2
+    for s in range(world):
+        j = (rank - s) % world  # the rank whose K/V block is here
+        if not is_causal or j == rank:
+            steps.append([(whole, whole, is_causal)])
+        elif layout == "contiguous":
+            steps.append([(whole, whole, False)] if j < rank else [])
+        else:  # zigzag: chunk x sees all of chunk y < x: the earlier half of j's block, or its later queries
+            steps.append([(whole, slice(0, half), False) if j < rank else (slice(half, n), whole, False)])
+    return steps
+
+
+def _ring_pass(tensors, group):
+    """Start sending `tensors` to the next rank and receiving their like from the previous one:
+    (the received tensors, the requests to wait on before reading them)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+    nxt, prv = to_global((rank + 1) % world), to_global((rank - 1) % world)
+    received = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, t, prv, group) for t in received]
+    return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(requests):
+    """Wait for the ring's messages: the time spent here is the communication that compute did not hide
+    (a profiler region, which study.py reads)."""
+    with torch.profiler.record_function("ring_attention.wait"):
+        for request in requests:
+            request.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal, scale, group, layout):
+        out, m, log2_l = _ring_forward(q, k, v, is_causal, scale, group, layout)
+        ctx.save_for_backward(q, k, v, out, m, log2_l)
+        ctx.options = is_causal, scale, group, layout
+        return out.to(q.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        dq, dk, dv = _ring_backward(dout, *ctx.saved_tensors, *ctx.options)
+        return dq, dk, dv, None, None, None, None
+
+
+@mt._autocast_off
+def _ring_forward(q, k, v, is_causal, scale, group, layout):
+    """out (float32), row max m and log2(l), after P steps of the chunked forward's block update,
+    continued from one visiting K/V block to the next."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    cq, ck = mt.default_chunk_size(q.device)
+    q = q.contiguous()
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)
+    o = q.new_zeros(*q.shape[:-1], v.size(-1), dtype=acc_dtype)  # (B, H, n, Dv): the running output
+    m = q.new_full((*q.shape[:-1], 1), float("-inf"), dtype=acc_dtype)  # (B, H, n, 1)
+    l = torch.zeros_like(m)
+    kv, steps = (k.contiguous(), v.contiguous()), _ring_steps(rank, world, q.size(-2), is_causal, layout)
+    for s in range(world):
+        received, requests = _ring_pass(kv, group) if s < world - 1 else (None, [])  # travels while we compute
+        for rows, cols, causal in steps[s]:
+            q_s, k_s, v_s = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
+            opts = mt.block_options(q_s, k_s, None, None, 0.0, causal, scale, None, ck)
+            for block in mt._blocks(q_s.size(-2), cq):
+                state = (t[:, :, rows][:, :, block] for t in (o, m, l))  # views: updated in place
+                mt.attend_block(q_s, k_s, v_s, block, *state, opts)
+        _wait(requests)
+        kv = received or kv
+    return o.div_(l), m, torch.log2(l)
+
+
+@mt._autocast_off
+def _ring_backward(dout, q, k, v, out, m, log2_l, is_causal, scale, group, layout):
+    """dq, dk, dv: the chunked backward's block update at every step, against the final row statistics.
+    The visiting block's dK and dV arrive from the previous rank while this step computes its own share;
+    the share is added into them and they go on, to arrive home after the last step."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    cq, ck = mt.default_chunk_size(q.device)
+    dout, q = dout.contiguous(), q.contiguous()
+    kv = k.contiguous(), v.contiguous()  # what travels must be contiguous
+    dq = torch.zeros_like(q, dtype=out.dtype)
+    steps = _ring_steps(rank, world, q.size(-2), is_causal, layout)
+    arrived, sent, dkv_requests = None, None, []  # the visiting block's dK, dV from the ranks before
+    for s in range(world):
+        received, requests = _ring_pass(kv, group) if s < world - 1 else (None, [])
+        own = [torch.zeros_like(t, dtype=out.dtype) for t in kv]  # this rank's share of the block's dK, dV
+        for rows, cols, causal in steps[s]:
+            q_s, k_s, v_s = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
+            grads = dq[:, :, rows], own[0][:, :, cols], own[1][:, :, cols]
+            stats = out[:, :, rows], m[:, :, rows], log2_l[:, :, rows]  # of the whole result
+            opts = mt.block_options(q_s, k_s, None, None, 0.0, causal, scale, None, ck)
+            for block in mt._blocks(q_s.size(-2), cq):
+                mt.attend_block_backward(dout[:, :, rows], q_s, k_s, v_s, *stats, block, *grads, None, opts)
+        if arrived is not None:  # they travelled while this step computed
+            _wait(dkv_requests)
+            own = [a.add_(o) for a, o in zip(arrived, own)]
+        sent = own  # kept alive until its messages are done
+        arrived, dkv_requests = _ring_pass(sent, group) if world > 1 else (sent, [])
+        _wait(requests)
+        kv = received or kv
+    _wait(dkv_requests)  # home: this rank's own block's dK, dV
+    del sent
+    return dq.mul_(scale).to(q.dtype), arrived[0].mul_(scale).to(k.dtype), arrived[1].to(v.dtype)
+
+
+# -----------------------------------------------------------------------------
+# Input checks: every rank refuses together (one that raised alone would leave the others waiting)
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_ring_args(q, k, v, scale, group, layout):
+    """(q, k, v, scale) checked on this rank, and shards of one shape, dtype and layout on every rank,
+    compared by one all-reduce of their description: on a CPU the result is read and named, on a GPU a
+    device-side assert refuses on every rank with no host sync."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("ring_attention needs a process group: call torch.distributed.init_process_group "
+                           "first (torchrun sets up its environment)")
+    world, rank, problem = dist.get_world_size(group), dist.get_rank(group), None
+    try:
+        q, k, v, _, scale = mt._attention_args(q, k, v, None, 0.0, scale, None)
+        if q.size(-2) != k.size(-2):
+            raise ValueError(f"q and k shards must be as long, got {q.size(-2)} and {k.size(-2)}")
+        _check_ring_layout(q.size(-2) * world, world, layout)
+    except (TypeError, ValueError) as e:
+        problem = str(e)
+    shard = [*q.shape, v.size(-1), _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1,
+             RING_LAYOUTS.index(layout) if layout in RING_LAYOUTS else -1]
+    refused = [int(r == rank and problem is not None) for r in range(world)]
+    # max(x) and max(-x) = -min(x): all ranks agree where they meet. Pinned and non-blocking: no sync
+    seen = torch.tensor(shard + [-x for x in shard] + refused, pin_memory=q.is_cuda)
+    seen = seen.to(q.device, non_blocking=True)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
+    n = len(shard)
+    if q.device.type != "cpu":
+        torch._assert_async((seen[:n] == -seen[n:2 * n]).all() & (seen[2 * n:] == 0).all(),
+                            "ring_attention: a rank refused its input, or the shards differ in shape, dtype "
+                            "or layout across ranks")
+        if problem:
+            raise ValueError(f"ring_attention refused its input on rank {rank}: {problem}")
+        return q, k, v, scale
+    seen = seen.tolist()
+    if any(seen[2 * n:]):
+        raise ValueError("ring_attention refused its input on " + "; ".join(
+            f"rank {r}: {problem if r == rank else 'see its own error'}" for r in range(world) if seen[2 * n + r]))
+    if seen[:n] != [-x for x in seen[n:2 * n]]:
+        raise ValueError("ring_attention needs shards of one shape, dtype and layout on every rank: (B, H, n, "
+                         f"D, Dv, dtype, layout) go from {[-x for x in seen[n:2 * n]]} to {seen[:n]} across ranks")
+    return q, k, v, scale
+
+
+def _check_ring_layout(L, world, layout):
+    if layout not in RING_LAYOUTS:
+        raise ValueError(f"layout must be one of {RING_LAYOUTS}, got {layout!r}")
+    parts = world if layout == "contiguous" else 2 * world
+    if L % parts:
+        why = " (every zigzag shard has two chunks: an even length)" if layout == "zigzag" else ""
+        raise ValueError(f"a {layout} layout cuts the sequence into {parts} equal parts: its length {L} is "
+                         f"not a multiple of {parts}{why}")
