@@ -1071,7 +1071,8 @@ def evaluate(model, data, amp_ctx):
 
 
 def save_heatmap(model, data, cfg, path):
-    """One held-out example: attention of layer cfg.heatmap_layer, head cfg.heatmap_head, as a PNG."""
+    """One held-out example: attention of layer cfg.heatmap_layer, head cfg.heatmap_head, as a PNG; returns the
+    (L, L) weights it drew (query rows, key columns)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -1095,6 +1096,7 @@ def save_heatmap(model, data, cfg, path):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return w
 
 
 def _setup_device(cfg):

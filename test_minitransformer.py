@@ -7,6 +7,7 @@ low precision (its attention_ref with upcast=False), each against float64, plus 
 where stated.
 """
 
+import contextlib
 import datetime
 import math
 import os
@@ -48,7 +49,7 @@ def reference(q, k, v, keep=None, bias=None, dropout_p=0.0):
         mask = keep | dead
     if bias is not None:
         bias = bias.double()
-        mask = bias if mask is None else torch.zeros_like(bias).masked_fill(~mask, -math.inf) + bias
+        mask = bias if keep is None else torch.zeros_like(bias).masked_fill(~keep, -math.inf) + bias
         dead = torch.isneginf(mask).all(-1, keepdim=True)
         mask = mask.masked_fill(dead, 0.0)
     with sdpa_kernel(SDPBackend.MATH):
@@ -66,11 +67,19 @@ def standard_attention(q, k, v, mask=None):
     return scores.softmax(-1).to(v.dtype) @ v
 
 
-def lowp_error(q, k, v, keep, out64, dtype):
-    """Max error against float64 of standard attention computed in `dtype`: the scale of our tolerance.
-    Rows with every key masked are re-opened and zeroed, as in `reference`."""
-    dead = None if keep is None else ~keep.any(-1, keepdim=True)
-    out = standard_attention(*(t.to(dtype) for t in (q, k, v)), None if keep is None else keep | dead)
+def lowp_error(q, k, v, keep, out64, dtype, bias=None):
+    """Max error against float64 of standard attention computed in `dtype`, with the same mask as out64 (a float
+    bias in float32, as a model holds one): the scale of our tolerance. Rows with every key masked are re-opened
+    and zeroed, as in `reference`."""
+    mask, dead = keep, None
+    if bias is not None:
+        mask = bias.float() if keep is None else torch.zeros(keep.shape).masked_fill(~keep, -math.inf) + bias.float()
+        dead = torch.isneginf(mask).all(-1, keepdim=True)
+        mask = mask.masked_fill(dead, 0.0)
+    elif keep is not None:
+        dead = ~keep.any(-1, keepdim=True)
+        mask = keep | dead
+    out = standard_attention(*(t.to(dtype) for t in (q, k, v)), mask)
     out = out if dead is None else out.masked_fill(dead, 0.0)
     return (out.double() - out64).abs().max().item()
 
@@ -200,6 +209,9 @@ def test_flashattention_precision_rule(device, dtype, causal, mask_kind):
                         *on_device[:4], None if bias is None else on_device[4])
         for name, x, s, r in zip(("out", "dq", "dk", "dv", "dbias"), ours, std, ref):
             assert x.dtype == (torch.float32 if name == "dbias" else dtype)
+            if impl == "naive":  # the rule cannot bind standard attention itself: naive must be it, to the bit
+                assert torch.equal(x.to(device), s.to(device)), f"naive {name} is not standard attention in {dtype}"
+                continue
             err, std_err = (x.double() - r).abs().max().item(), (s.double() - r).abs().max().item()
             assert err <= 2 * std_err + 1e-5, f"{impl} {name}: error {err:.3g} > 2 x standard attention's {std_err:.3g}"
 
@@ -476,6 +488,11 @@ def test_dropout_semantics(impl):
     frac_dropped = 1 - kept.double().mean().item()
     assert abs(frac_dropped - p) < 0.02  # 12288 draws: 5 sigma is about 0.02
     torch.testing.assert_close(out[kept], probs[kept] / (1 - p))
+    # each (batch, head) draws its own mask: any two agree on about p^2 + (1-p)^2 = 62.5% of the weights, not all
+    masks = kept.flatten(0, 1).flatten(1)  # (B * H, Lq * Lk)
+    for a in range(4):
+        for b in range(a + 1, 4):
+            assert abs((masks[a] == masks[b]).double().mean().item() - 0.625) < 0.05, (a, b)
 
 
 def test_flash_reports_and_runs_the_fused_kernel_on_cpu():
@@ -539,15 +556,42 @@ def test_cuda_flash_reports_the_kernel_that_runs_with_a_float32_mask(backend):
 
 @pytest.mark.parametrize("impl", mt.IMPLS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_sliding_window_matches_explicit_mask(impl, causal):
-    L, w = 45, 6
-    q, k, v = make_qkv(1, 2, L, L, 8)
-    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+@pytest.mark.parametrize("Lq,Lk", [(45, 45), (45, 30), (30, 45)])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+def test_sliding_window_matches_explicit_mask(impl, causal, Lq, Lk, mask_kind):
+    # a window alone and with a padding-like bool mask or a float bias, Lq != Lk: output and gradients
+    w = 6
+    q, k, v = make_qkv(2, 2, Lq, Lk, 8)
+    i, j = torch.arange(Lq)[:, None], torch.arange(Lk)[None, :]
     keep = (i - j).abs() <= w
     if causal:
         keep &= j <= i
-    out = run_path(impl, q, k, v, window_size=w, is_causal=causal)
-    torch.testing.assert_close(out, reference(q, k, v, keep), atol=1e-10, rtol=1e-10)
+    mask_keep, bias, kw = make_mask(mask_kind, 2, 2, Lq, Lk)
+    keep = keep if mask_keep is None else keep & mask_keep
+    dout = torch.randn(2, 2, Lq, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    ours = grads_of(lambda q, k, v: run_path(impl, q, k, v, window_size=w, is_causal=causal, **kw), q, k, v, dout)
+    want = grads_of(lambda q, k, v: reference(q, k, v, keep, bias), q, k, v, dout)
+    for x, r in zip(ours, want, strict=True):
+        torch.testing.assert_close(x, r, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("scale", [0.3, 2.0])
+@pytest.mark.parametrize("mask_kind", ["none", "causal+pad", "float"])
+def test_scale_is_the_one_asked_for(impl, scale, mask_kind):
+    q, k, v = make_qkv(2, 2, 37, 29, 16)
+    _, bias, kw = make_mask(mask_kind, 2, 2, 37, 29)
+    dout = torch.randn(2, 2, 37, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    ours = grads_of(lambda q, k, v: run_path(impl, q, k, v, scale=scale, **kw), q, k, v, dout)
+
+    def sdpa(q, k, v):
+        with sdpa_kernel(SDPBackend.MATH):
+            mask = kw.get("attn_mask")
+            if kw.get("is_causal"):
+                mask = mask & torch.ones(37, 29, dtype=torch.bool).tril()
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    for x, r in zip(ours, grads_of(sdpa, q, k, v, dout), strict=True):
+        torch.testing.assert_close(x, r, atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize("impl", mt.IMPLS)
@@ -596,9 +640,11 @@ def test_chunked_products_take_their_operands_in_the_input_dtype(dtype):
     with Products() as mode:  # the ops' own Python bodies, so that the mode sees inside them
         out, row_max, log2_sum = mt._chunked_fwd._init_fn(q, k, v, bias, seed, *options)
         mt._chunked_bwd._init_fn(dout, q, k, v, out, row_max, log2_sum, bias, seed, *options, True)
-    blocks = sum(len(mt._key_blocks(rows, 29, 8, True, 20)) for rows in mt._blocks(37, 16))
+    # by hand: query blocks [0, 16), [16, 32), [32, 37), causal with a window of 20, key blocks of 8 from the
+    # first visible key: keys [0, 16) in 2 blocks, [0, 29) in 4, [12, 29) in 3 ([12, 20), [20, 28), [28, 29))
+    blocks = 2 + 4 + 3
     assert len(mode.seen) == 7 * blocks  # S and P V forward; S, dO V^T, P^T dO, dS K, dS^T Q backward
-    q_blocks = [q[:, :, rows].float().flatten(0, 1) for rows in mt._blocks(37, 16)]
+    q_blocks = [q[:, :, rows].float().flatten(0, 1) for rows in (slice(0, 16), slice(16, 32), slice(32, 37))]
     for func, operands, result in mode.seen:
         assert result.dtype == torch.float32, func
         for t in operands[-2:]:  # baddbmm's first argument is the (ignored) input
@@ -626,7 +672,7 @@ def test_cuda_chunked_products_run_on_tensor_cores(dtype):
     with Products() as mode:
         out, row_max, log2_sum = mt._chunked_fwd._init_fn(q, k, v, None, None, *options)
         mt._chunked_bwd._init_fn(dout, q, k, v, out, row_max, log2_sum, None, None, *options, False)
-    blocks = sum(len(mt._key_blocks(rows, 300, 128, True, None)) for rows in mt._blocks(300, 128))
+    blocks = 1 + 2 + 3  # by hand: causal query blocks [0, 128), [128, 256), [256, 300) see 1, 2 and 3 key blocks
     assert len(mode.seen) == 7 * blocks
     assert all(name == "aten.bmm.dtype" and dtypes == [dtype, dtype] for name, dtypes in mode.seen), mode.seen
 
@@ -708,6 +754,64 @@ def test_encoder_layer_matches_torch(norm_first, activation, impl):
     torch.testing.assert_close(y, y_ref, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_encoder_matches_torch_transformer_encoder(norm_first):
+    # the whole Encoder against nn.TransformerEncoder built from the same layers, with the embedding times
+    # sqrt(d_model), the sinusoidal positions and pre-LN's final LayerNorm written out here, float64
+    torch.manual_seed(0)
+    d, L = 64, 21
+    layers = [nn.TransformerEncoderLayer(d, 2, 96, dropout=0.0, norm_first=norm_first, batch_first=True).double()
+              for _ in range(2)]
+    final = nn.LayerNorm(d).double() if norm_first else None
+    if final is not None:
+        nn.init.normal_(final.weight)
+        nn.init.normal_(final.bias)
+    ref = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, 2, 96, batch_first=True), 2, norm=final,
+                                enable_nested_tensor=False).double().eval()
+    ref.layers = nn.ModuleList(layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = mt.Encoder(mt.EncoderConfig(vocab_size=30, max_len=L, d_model=d, n_heads=2, n_layers=2, d_ff=96,
+                                           norm_first=norm_first, impl="chunked", chunk_size=8)).double().eval()
+        ours.layers = nn.ModuleList(mt.EncoderLayer.from_torch(layer, impl="chunked") for layer in layers)
+    if final is not None:
+        ours.norm.load_state_dict(final.state_dict())
+    idx = torch.randint(0, 30, (3, L), generator=torch.Generator().manual_seed(1))
+    keep = mt.padding_mask(torch.tensor([21, 9, 14]), L)
+    pos = torch.arange(L, dtype=torch.float64)[:, None]
+    angle = pos / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)  # (L, d/2)
+    pe = torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(1)  # sin at even, cos at odd features
+    x = ours.embed.weight[idx] * d ** 0.5 + pe.float().double()  # the module keeps its table in float32
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        want = ref(x, src_key_padding_mask=~keep[:, 0, 0])
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    torch.testing.assert_close(ours(idx, attn_mask=keep), want, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("layer", [0, -1])
+def test_attention_weights_are_those_the_layer_computes(norm_first, layer):
+    # the weights of one layer, against softmax(q k^T / sqrt(hs)) computed here from what that layer's attention
+    # really receives in a forward pass (a hook), so the layer and the pre-LN input must both be the right ones
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        enc = mt.Encoder(mt.EncoderConfig(vocab_size=20, max_len=16, d_model=32, n_heads=2, n_layers=3, d_ff=64,
+                                          norm_first=norm_first)).double().eval()
+    idx = torch.randint(0, 20, (2, 16), generator=torch.Generator().manual_seed(1))
+    keep = mt.padding_mask(torch.tensor([16, 5]), 16)
+    seen = []
+    attn = enc.layers[layer].self_attn
+    hook = attn.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    enc(idx, attn_mask=keep)
+    hook.remove()
+    q, k, _ = (t.view(2, 16, 2, 16).transpose(1, 2) for t in attn.qkv(seen[0]).split(32, dim=2))  # (B, nh, T, hs)
+    scores = (q @ k.transpose(-2, -1) / 4.0).masked_fill(~keep, -math.inf)
+    torch.testing.assert_close(enc.attention_weights(idx, keep, layer=layer), scores.softmax(-1), atol=1e-12, rtol=0)
+
+
 def test_encoder_layer_float32_matches_torch_fast_path():
     # float32, eval: torch's fused encoder fast path on the real (unpadded) positions
     torch.manual_seed(0)
@@ -771,7 +875,11 @@ def test_encoder_paths_agree_and_padding_is_respected(pos_encoding, norm_first):
     idx2 = idx.clone()
     idx2[1, 25] = (idx2[1, 25] + 1) % 50
     torch.testing.assert_close(models["naive"](idx2, attn_mask=keep)[1, :20], outs["naive"][1, :20])
-    assert models["naive"].num_params() == sum(p.numel() for p in models["naive"].parameters())
+    # by hand: embedding, then per layer qkv, out projection, the two feed-forward linears, two LayerNorms
+    d, f = 64, 128
+    layer = (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 2 * 2 * d
+    positions = 64 * d if pos_encoding == "learned" else 0  # a (max_len, d_model) table
+    assert models["naive"].num_params() == 50 * d + positions + 2 * layer + (2 * d if norm_first else 0)  # + final LN
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -840,21 +948,54 @@ TINY = dict(vocab_size=16, max_len=64, d_model=32, n_heads=2, n_layers=2, d_ff=6
 COMPILE_MASKS = {"pad": {}, "causal": {"is_causal": True}, "causal+pad": {"is_causal": True}, "window": {}}
 
 
-def local_scalar_reads(fn, ignore_under=()):
-    """Events of aten::_local_scalar_dense in fn(): every .item(), bool(t), int(t) of a tensor dispatches
-    to it, and on a GPU each one makes the host wait for the device. `ignore_under`: parent ops to skip."""
-    with torch.profiler.profile() as prof:
-        fn()
-    reads = []
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+
+
+def host_reads(fn, ignore_under=()):
+    """Every read of a tensor value on the host during fn(), as (what, the functions on the stack): Python's
+    .item(), .tolist(), bool(), int(), float(), an index, .cpu(), .numpy() (wrapped on torch.Tensor for the call)
+    and C++'s aten::_local_scalar_dense (the profiler). On a GPU each would make the host wait for the device.
+    Left out: reads inside minitransformer's _check_range, whose CPU branch reads on purpose (a CPU has no device
+    to wait for; elsewhere it is a device-side assert), and C++ reads under the ops named in `ignore_under`."""
+    reads, originals = [], {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def wrapped(name, original):
+        def read(self, *args, **kwargs):
+            frame, stack = sys._getframe(1), []
+            while frame is not None and len(stack) < 8:
+                stack.append(frame.f_code.co_name)
+                frame = frame.f_back
+            if "_check_range" not in stack:
+                reads.append((name, stack))
+            return original(self, *args, **kwargs)
+        return read
+    try:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, wrapped(name, original))
+        with torch.profiler.profile() as prof:
+            fn()
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
     for e in prof.events():
         if e.name == "aten::_local_scalar_dense":
             parents, p = [], e.cpu_parent
             while p is not None:
                 parents.append(p.name)
                 p = p.cpu_parent
-            if not set(parents) & set(ignore_under):
-                reads.append(e)
+            if not set(parents) & set(ignore_under) and "aten::item" not in parents:  # item: counted above
+                reads.append((e.name, parents))
     return reads
+
+
+def test_host_reads_sees_every_kind_of_read():
+    t = torch.ones(3)
+    for read in (lambda: t.sum().item(), lambda: t.tolist(), lambda: bool(t[0]), lambda: int(t[0]),
+                 lambda: float(t[0]), lambda: [0, 1][t[0].long()], lambda: t.cpu(), lambda: t.numpy(),
+                 lambda: torch.ops.aten._local_scalar_dense(t[0])):  # what C++ code's reads dispatch to
+        assert host_reads(read), read
+    assert host_reads(lambda: mt._check_range(t, 0, 2, "t")) == []  # the CPU branch's deliberate read
+    assert host_reads(lambda: (t * 2).sum()) == []
 
 
 def compile_case(kind, impl, mask_kind, dropout=0.0, seed=0):
@@ -1018,7 +1159,7 @@ def test_model_forward_backward_reads_nothing_on_the_host(impl, mask_kind):
         lengths = torch.tensor([21, 13, 4])
         model(inputs[0], mt.padding_mask(lengths, 21) if "pad" in mask_kind else None, causal).sum().backward()
     step()
-    assert local_scalar_reads(step) == []
+    assert host_reads(step) == []
 
 
 @pytest.mark.parametrize("amp", ["off", "bf16", "fp16"])
@@ -1026,8 +1167,8 @@ def test_training_steps_read_nothing_on_the_host_between_logs(amp):
     # the fused AdamW's CPU kernel reads its host-side step counts (aten::item inside _fused_adamw_);
     # on a GPU those counts are device tensors read by the kernel itself, so they are not counted
     cfg = {**SMALL, "amp": amp, "log_every": 1000, "eval_every": 1000, "eval_size": 8}
-    count = lambda steps: len(local_scalar_reads(lambda: mt.train(mt.TrainConfig(**{**cfg, "steps": steps}), log=quiet),
-                                                 ignore_under={"aten::_fused_adamw_"}))
+    count = lambda steps: len(host_reads(lambda: mt.train(mt.TrainConfig(**{**cfg, "steps": steps}), log=quiet),
+                                         ignore_under={"aten::_fused_adamw_"}))
     assert count(4) == count(1)  # three more steps that neither log nor evaluate: no host read at all
 
 
@@ -1222,7 +1363,7 @@ def test_cuda_fully_masked_rows_with_each_kernel(backend, mask_kind):
             pytest.skip(f"{backend} does not run here: {str(e).splitlines()[0]}")
     out.float().sum().backward()
     assert torch.isfinite(out).all() and all(torch.isfinite(t.grad).all() for t in leaves)
-    assert (out.double().cpu() - want).abs().max().item() <= 2 * lowp_error(q, k, v, keep, want, torch.bfloat16) + 1e-2
+    assert (out.double().cpu() - want).abs().max().item() <= 2 * lowp_error(q, k, v, keep, want, torch.bfloat16, bias) + 1e-2
 
 
 @needs_cuda
@@ -1399,7 +1540,9 @@ def test_study_end_to_end_measures_real_memory(tmp_path):
     rows = {(r["series"], int(r["n"])): r for r in study.read_rows(tmp_path / "study.csv")}
     assert rows.pop(("naive", 4096))["status"].startswith("oom")
     assert all(r["status"] == "ok" for r in rows.values())
-    assert float(rows[("chunked", 4096)]["peak_mib"]) < 0.5 * 1024 and rows[("flash", 4096)]["status"] == "ok"
+    # linear memory: far below one (H, n, n) float32 matrix (256 MiB), or even a sixteenth of one
+    assert float(rows[("chunked", 4096)]["peak_mib"]) < 4 * 4096 * 4096 * 4 / 2**20 / 16
+    assert rows[("flash", 4096)]["status"] == "ok"
     assert "| naive | fwd | 512 | 4096 | 0.5 GiB |" in (tmp_path / "summary.md").read_text()
     scores_mib = 4 * 512 * 512 * 4 / 2**20  # (H, n, n) float32
     out_mib = 4 * 512 * 16 * 4 / 2**20
@@ -1608,10 +1751,55 @@ def quiet(*args, **kwargs):
     pass
 
 
-def test_training_learns_the_reversal_task(tmp_path):
+def test_training_learns_the_reversal_task(tmp_path, monkeypatch):
+    drawn, save_heatmap = [], mt.save_heatmap
+    monkeypatch.setattr(mt, "save_heatmap", lambda *args: drawn.append(save_heatmap(*args)) or drawn[-1])
     res = mt.train(mt.TrainConfig(**{**SMALL, "steps": 300, "heatmap": str(tmp_path / "att.png")}), log=quiet)
     assert res["accuracy"] > 0.9  # chance is 1/11
     assert (tmp_path / "att.png").stat().st_size > 0
+    # what the heatmap shows is the reversal: query i attends to key L-1-i, the anti-diagonal
+    w = torch.as_tensor(drawn[0])
+    L = w.size(0)
+    anti = torch.arange(L - 1, -1, -1)
+    assert (w.argmax(1) == anti).double().mean() >= 0.8 and w[torch.arange(L), anti].mean() > 0.5, w
+
+
+def test_lr_factor_warms_up_then_decays():
+    # by hand, warm-up 4 steps, 10 steps in all, down to 0.1: (s + 1) / 4, then 0.1 + 0.9 * (1 + cos(pi t)) / 2
+    got = [mt.lr_factor(s, 4, 10, 0.1) for s in (0, 1, 3, 4, 7, 10, 20)]
+    assert got == pytest.approx([0.25, 0.5, 1.0, 1.0, 0.55, 0.1, 0.1])
+
+
+def test_weight_decay_reaches_matrices_only():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = mt.TokenClassifier(mt.EncoderConfig(vocab_size=10, max_len=8, d_model=32, n_heads=2, n_layers=1,
+                                                    d_ff=64, pos_encoding="learned"))
+    decay, no_decay = mt.make_optimizer(model, 1e-3, 0.1).param_groups
+    names = {id(p): name for name, p in model.named_parameters()}
+    # by hand: the embeddings, the four linear weights and the head's weight are matrices; biases and norms not
+    assert sorted(names[id(p)] for p in decay["params"]) == sorted(
+        ["encoder.embed.weight", "encoder.pos.pe.weight", "encoder.layers.0.self_attn.qkv.weight",
+         "encoder.layers.0.self_attn.proj.weight", "encoder.layers.0.linear1.weight",
+         "encoder.layers.0.linear2.weight", "head.weight"])
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(name.endswith("bias") or "norm" in name for name in (names[id(p)] for p in no_decay["params"]))
+    assert len(decay["params"]) + len(no_decay["params"]) == len(names)
+
+
+def test_evaluate_counts_real_tokens_and_whole_sequences():
+    # 3 sequences of lengths 4, 2, 3: one wrong token in the first; a wrong prediction on padding does not count
+    x = torch.tensor([[1, 2, 3, 4], [5, 6, 0, 0], [7, 8, 9, 0]])
+    y = torch.tensor([[4, 3, 2, 1], [6, 5, 0, 0], [9, 8, 7, 0]])
+    pred = y.clone()
+    pred[0, 1] = 7
+    pred[1, 3] = 5  # padding
+
+    class Fixed(nn.Module):
+        def forward(self, idx, attn_mask=None):
+            return F.one_hot(pred, 12).float()
+    got = mt.evaluate(Fixed(), (x, y, torch.tensor([4, 2, 3])), contextlib.nullcontext)
+    assert got == {"accuracy": 8 / 9, "seq_accuracy": pytest.approx(2 / 3)}
 
 
 def test_reverse_batch_is_the_reversal_with_padding():
@@ -1622,18 +1810,32 @@ def test_reverse_batch_is_the_reversal_with_padding():
         assert (x[b, L:] == mt.PAD).all() and (y[b, L:] == mt.PAD).all() and (x[b, :L] != mt.PAD).all()
 
 
-def test_fp16_without_gpu_works_or_stops_clearly():
+@pytest.mark.parametrize("amp,impl", [("bf16", "chunked"), ("fp16", "flash")])
+def test_mixed_precision_training_follows_the_float32_run(amp, impl):
+    # the same run in float32 is the oracle: after 120 steps the low-precision loss is within 2% of it, yet not
+    # the very same number (autocast did act), and the model has learned well above chance (1/11)
+    want = mt.train(mt.TrainConfig(**{**SMALL, "impl": impl}), log=quiet)
     try:
-        res = mt.train(mt.TrainConfig(**{**SMALL, "steps": 20, "amp": "fp16"}), log=quiet)
-    except RuntimeError as e:
-        assert "--amp fp16 is not supported" in str(e)
-    else:
-        assert 0.0 <= res["accuracy"] <= 1.0 and res["skipped_steps"] >= 0
+        got = mt.train(mt.TrainConfig(**{**SMALL, "amp": amp, "impl": impl}), log=quiet)
+    except RuntimeError as e:  # a torch whose CPU autocast lacks float16
+        assert f"--amp {amp} is not supported" in str(e)
+        pytest.skip(str(e))
+    assert got["loss"] != want["loss"] and got["loss"] == pytest.approx(want["loss"], rel=0.02)
+    assert got["accuracy"] > 0.3 and got["skipped_steps"] == 0
 
 
-def test_bf16_training_runs_on_cpu():
-    res = mt.train(mt.TrainConfig(**{**SMALL, "steps": 20, "amp": "bf16", "impl": "chunked"}), log=quiet)
-    assert math.isfinite(res["loss"])
+def test_fp16_skipped_steps_are_counted(monkeypatch):
+    # an inf in the logits of step 3 makes every gradient non-finite: GradScaler skips that step, the run goes on
+    forward, calls = mt.TokenClassifier.forward, []
+
+    def poisoned(self, idx, attn_mask=None):
+        calls.append(1)
+        logits = forward(self, idx, attn_mask)
+        return logits * float("inf") if len(calls) == 3 else logits
+    monkeypatch.setattr(mt.TokenClassifier, "forward", poisoned)
+    lines = []
+    res = mt.train(mt.TrainConfig(**{**SMALL, "steps": 10, "amp": "fp16", "log_every": 10}), log=lines.append)
+    assert res["skipped_steps"] == 1 and any("skipped 1" in line for line in lines)
 
 
 def test_gradients_are_unscaled_before_clipping():
@@ -1802,6 +2004,20 @@ BENCH_VARIANTS = {"naive": {"impl": "naive"}, "chunked": {"impl": "chunked"}, "f
                   "chunked-window128": {"impl": "chunked", "window_size": 128}}
 
 
+_BENCH_REFERENCES = {}
+
+
+def assert_bench_result(variant, out, q, k, v):
+    """The benchmarked output against SDPA's math kernel in float64 (computed once per variant and length)."""
+    kw, n = BENCH_VARIANTS[variant], q.size(-2)
+    if (variant, n) not in _BENCH_REFERENCES:
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        keep = ((i - j).abs() <= kw["window_size"]) if "window_size" in kw else None
+        keep = (j <= i) if kw.get("is_causal") else keep
+        _BENCH_REFERENCES[(variant, n)] = reference(q, k, v, keep)
+    assert (out.double() - _BENCH_REFERENCES[(variant, n)]).abs().max().item() < 1e-4, variant
+
+
 @pytest.mark.parametrize("variant", BENCH_VARIANTS)
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
 @pytest.mark.parametrize("n", [512, 2048])
@@ -1810,6 +2026,7 @@ def test_benchmark_attention(benchmark, variant, mode, n):
     impl = kw.pop("impl")
     q, k, v = make_qkv(1, 8, n, n, 64, dtype=torch.float32)
     benchmark.group = f"{mode} n={n} (B=1, H=8, D=64, float32)"
+    assert_bench_result(variant, mt.attention(q, k, v, impl=impl, **kw), q, k, v)  # the result first, once
     if mode == "fwd":
         def fn():
             with torch.no_grad():
