@@ -1040,7 +1040,7 @@ def assert_same(got, want, tol=1e-5):
 
 @pytest.mark.parametrize("impl", mt.IMPLS)
 @pytest.mark.parametrize("kind,mask_kind", [("attention", m) for m in COMPILE_MASKS] +
-                         [(kind, "causal+pad") for kind in ("mha", "layer", "encoder")] + [("encoder", "window")])
+                         [("encoder", "causal+pad"), ("encoder", "window")])  # the encoder holds MHA and the layer
 def test_fullgraph_compile_matches_eager(impl, kind, mask_kind):
     fn, inputs, params = compile_case(kind, impl, mask_kind)
     want = forward_backward(fn, inputs, params)
@@ -1259,7 +1259,25 @@ def ring_errors_case(rank, world):
     return messages
 
 
-RING_CASES = {"attention": ring_attention_case, "encoder": ring_encoder_case, "errors": ring_errors_case}
+def ring_options_case(rank, world, layout, causal):
+    """Errors against float64 SDPA with scale=0.3, v's head dim 16 against q's 32, through a process group of
+    its own (group=): output and q, k, v gradients of this rank's shard."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, RING_L, 32, generator=g, dtype=torch.float64) for _ in range(2))
+    v, dout = (torch.randn(2, 3, RING_L, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    group = torch.distributed.new_group(list(range(world)))
+    tril = torch.ones(RING_L, RING_L, dtype=torch.bool).tril()
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = grads_of(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=tril if causal else None,
+                                                                      scale=0.3), q, k, v, dout)
+    shard = lambda t: ring.shard_sequence(t, rank, world, layout)  # noqa: E731
+    ours = grads_of(lambda q, k, v: ring.ring_attention(q, k, v, causal, 0.3, group=group, layout=layout),
+                    *(shard(t) for t in (q, k, v, dout)))
+    return [(x - shard(r)).abs().max().item() for x, r in zip(ours, ref)]
+
+
+RING_CASES = {"attention": ring_attention_case, "encoder": ring_encoder_case, "errors": ring_errors_case,
+              "options": ring_options_case}
 
 
 def _ring_worker(rank, world, store, cases, results):
@@ -1309,11 +1327,12 @@ def test_ring_attention_equals_full_attention(world, tmp_path):
 
 
 def test_ring_encoder_equals_the_unsharded_encoder_and_bad_input_is_refused(tmp_path):
-    cases = [("encoder", layout, pos, True) for layout in ring.RING_LAYOUTS for pos in POS] + [("errors",)]
-    results = run_ring(2, cases, tmp_path)
-    for case in cases[:-1]:
-        for out_err, grad_err in results[case]:
-            assert out_err < 1e-10 and grad_err < 1e-10, (case, out_err, grad_err)
+    cases = [("encoder", layout, pos, True) for layout in ring.RING_LAYOUTS for pos in POS]
+    cases += [("encoder", "zigzag", "rope", False)] + [("options", layout, True) for layout in ring.RING_LAYOUTS]
+    results = run_ring(2, cases + [("errors",)], tmp_path)
+    for case in cases:
+        for errors in results[case]:
+            assert max(errors) < 1e-10, (case, errors)
     for rank, messages in enumerate(results[("errors",)]):
         assert len(messages) == 9  # every case raised on every rank: none left another waiting
         assert "ring_attention needs shards of one shape, dtype and layout on every rank" in messages[0]
@@ -1992,7 +2011,47 @@ def test_torchrun_two_processes_keep_identical_parameters(tmp_path):
     assert "training on cpu x 2 process(es)" in run.stdout
     assert "max parameter difference across 2 ranks: 0" in run.stdout
     assert run.stdout.count("accuracy=") == 1  # rank 0 alone prints
-    assert mt.load_checkpoint(str(tmp_path / "ck.pt"))["step"] == 6
+    state = mt.load_checkpoint(str(tmp_path / "ck.pt"))
+    assert state["step"] == 6
+    # the oracle: one process on the global batch (both ranks' batches), its loss the mean of the two ranks'
+    # losses, as DDP's average of their gradients makes it; AdamW, clipping and the schedule as the defaults
+    cfg = mt.TrainConfig(steps=6)
+    torch.manual_seed(cfg.seed)
+    model = mt.TokenClassifier(cfg.model_config())
+    opt = mt.make_optimizer(model, cfg.lr, cfg.weight_decay)
+    for step in range(6):
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr * mt.lr_factor(step, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
+        losses = []
+        for rank in range(2):
+            gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 1009 + rank)
+            x, y, lengths = mt.reverse_batch(cfg.batch_size, cfg.min_len, cfg.max_len, cfg.vocab_size, gen)
+            logits = model(x, mt.padding_mask(lengths, x.size(1)))
+            losses.append(F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=mt.PAD,
+                                          label_smoothing=cfg.label_smoothing))
+        (sum(losses) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        opt.step()
+        opt.zero_grad()
+    for name, p in model.state_dict().items():
+        torch.testing.assert_close(state["model"][name], p, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_a_study_worker_that_dies_is_recorded_and_replaced():
+    # a real crash (the OS killing the worker mid-point): on the CPU recorded as out of memory, and the
+    # next point gets a fresh worker
+    import threading
+    runner = study.WorkerRunner("cpu", None)
+    device = {"kind": "device", "device": "cpu"}
+    runner(device)  # the worker is up
+    spec = {"device": "cpu", "dtype": "float32", "B": 1, "H": 8, "n": 4096, "D": 64, "mode": "fwd+bwd",
+            "series": "naive", "path": "naive", "causal": False, "window": None, "chunk_size": None,
+            "min_repeats": 50, "target_s": 10.0}  # long enough to be killed in the middle
+    threading.Timer(1.0, runner.procs[0].kill).start()
+    with pytest.raises(study.PointOOM, match="worker killed"):
+        runner(spec)
+    assert runner(device)["label"].startswith("cpu")  # a new worker answers
+    runner.close()
 
 
 # ----------------------------------------------------------------------------- benchmarks
