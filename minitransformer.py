@@ -134,9 +134,9 @@ def _apply_mask(scores, mask):
 
 
 def _finite_bias(bias, dtype, scale=1.0):
-    """bias * scale in dtype, a finite value kept finite: finfo(float32).min (the Hugging Face
-    "masked") would overflow to -inf in a narrower dtype, or times log2(e), and mask its key,
-    which only -inf does."""
+    """bias * scale in dtype, clamped to dtype's finite range, -inf kept -inf. Without the clamp a finite
+    value such as finfo(float32).min (Hugging Face's "masked") would overflow to -inf in a narrower
+    dtype, or when multiplied by log2(e), and so mask its key: only -inf may do that."""
     finfo = torch.finfo(dtype)
     wide = bias.to(torch.promote_types(bias.dtype, dtype)) * scale
     return wide.clamp(finfo.min, finfo.max).to(dtype).masked_fill(torch.isneginf(bias), float("-inf"))
@@ -151,6 +151,15 @@ def _reopen_dead_rows(mask):
         return mask | dead, dead
     dead = torch.isneginf(mask).all(-1, keepdim=True)
     return mask.masked_fill(dead, 0.0), dead
+
+
+def _sdpa_conventions(q, k, v, scale):
+    """What SDPA does before it computes, and so every path: scale = 1/sqrt(D) unless given, and under
+    autocast float32 q, k, v are cast to autocast's dtype (SDPA is on autocast's lower-precision list)."""
+    if q.dtype == torch.float32 and torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    return q, k, v, 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
 
 
 # -----------------------------------------------------------------------------
@@ -186,9 +195,11 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 #
 # The (Lq, Lk) scores never exist: the queries are taken a block of rows at a time, and each
 # block visits the key blocks (cols) it sees, keeping per query a running row max m, a
-# normaliser l and an unnormalised output o. At the end out = o / l. One (cq, ck) block of
-# scores exists at a time: memory is linear in the length. Scores are kept in base 2,
-# exp(x) = exp2(x * log2(e)), as in FlashAttention: exp2 is the cheaper instruction.
+# normaliser l and an unnormalised output o. At the end out = o / l. In the forward one (cq, ck)
+# block of scores exists at a time (the backward holds a few: P, dP, dS), so memory is linear in
+# the length. Scores are kept in base 2, exp(x) = exp2(x * log2(e)), as FlashAttention does on a
+# GPU, where exp2 is the native instruction; here it costs the same as exp, and log2(e) rides in
+# the scale of the product that makes S.
 
 LOG2E = math.log2(math.e)
 
@@ -196,12 +207,13 @@ LOG2E = math.log2(math.e)
 def attend_block(q, k, v, rows, o, m, l, opts):
     """The forward's block update: queries `rows` against every key block j they see.
 
-        S_j = Q K_j^T * scale * log2(e) + M_j        (base 2; M_j the mask of the block)
+        S_j = Q K_j^T * scale * log2(e) + M_j * log2(e)      (M_j: the mask of the block)
         m' = max(m, rowmax(S_j)),   P_j = exp2(S_j - m'),   alpha = exp2(m - m'),
-        l' = alpha * l + rowsum(P_j),   o' = alpha * o + P_j V_j
+        l' = alpha * l + rowsum(P_j),   o' = alpha * o + (Z_j * P_j) V_j
 
-    o (B, H, rows, Dv), m and l (B, H, rows, 1), float32 (float64 for float64), are updated in
-    place; opts: block_options. l counts dropped weights too, so dropout keeps the expectation.
+    Z_j is dropout's keep-mask (all ones without dropout); l counts the dropped weights too, so
+    that out = o / (l * (1 - p)) keeps the expectation. o (B, H, rows, Dv), m and l (B, H, rows, 1),
+    float32 (float64 for float64), are updated in place; opts: block_options.
     """
     for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size):
         s = _scores(q, k, rows, cols, opts)  # (B, H, cq, ck)
@@ -218,18 +230,40 @@ def attend_block(q, k, v, rows, o, m, l, opts):
         m.copy_(m_new)
 
 
+def chunked_forward(q, k, v, opts, cq):
+    """The forward: every block of cq query rows starts from m = -inf, l = 0, o = 0, visits its key
+    blocks (attend_block), and ends as out = o / (l * (1 - p)). Returns out (B, H, Lq, Dv) and per
+    query m and log2(l), (B, H, Lq, 1), float32 or wider, for the backward (kept apart: a finfo.min
+    bias makes m so large that m + log2(l) would round to m); a query with every key masked gets
+    out = 0 and m = +inf, so that its recomputed P is 0."""
+    B, H, Lq, _ = q.shape
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)
+    out = q.new_empty(B, H, Lq, v.size(-1))
+    m_all, log2_l = (q.new_empty(B, H, Lq, 1, dtype=acc_dtype) for _ in range(2))
+    for rows in _blocks(Lq, cq):
+        m = q.new_full((B, H, rows.stop - rows.start, 1), float("-inf"), dtype=acc_dtype)
+        l = torch.zeros_like(m)
+        o = q.new_zeros(B, H, rows.stop - rows.start, v.size(-1), dtype=acc_dtype)
+        attend_block(q, k, v, rows, o, m, l, opts)
+        dead = l == 0  # every key masked
+        out[:, :, rows] = o / (l.masked_fill(dead, 1.0) * (1.0 - opts.dropout_p))
+        m_all[:, :, rows] = m.masked_fill(dead, float("inf"))
+        log2_l[:, :, rows] = torch.log2(l.masked_fill(dead, 1.0))
+    return out, m_all, log2_l
+
+
 def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask, opts):
     """The backward's block update: queries `rows` against every key block j they see.
 
         P_j = exp2(S_j - m - log2(l))      (the forward's probabilities, recomputed)
-        dV_j += P_j^T dO,   dP_j = dO V_j^T,   dS_j = P_j * (dP_j - rowsum(dO * O)),
+        dV_j += (Z_j * P_j)^T dO,   dP_j = Z_j * (dO V_j^T) / (1 - p),   dS_j = P_j * (dP_j - rowsum(dO * O)),
         dQ += dS_j K_j,   dK_j += dS_j^T Q,   dM_j = dS_j (a float mask)
 
-    dq, dk, dv (float32) are added to in place, dq and dk without the scale (applied once, at
-    the end), and dmask, a float mask's gradient, when it is not None. The loop runs in the
-    forward's order, query blocks outside, adding into dK and dV across them. FlashAttention-2's
-    Algorithm 2 loops the other way, key blocks outside, so that dK_j and dV_j stay on chip and
-    dQ is added to in memory instead.
+    dq, dk, dv (float32) are added to in place, dq and dk without the scale and dv without
+    1 / (1 - p) (both applied once, at the end), and dmask, a float mask's gradient, when it is not
+    None. The loop runs in the forward's order, query blocks outside, adding into dK and dV across
+    them. FlashAttention-2's Algorithm 2 loops the other way, key blocks outside, so that dK_j and
+    dV_j stay on chip and dQ is added to in memory instead.
     """
     dout_i = dout[:, :, rows]  # (B, H, cq, Dv)
     m, log2_l = m[:, :, rows], log2_l[:, :, rows]  # (B, H, cq, 1)
@@ -238,7 +272,7 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
         p = _scores(q, k, rows, cols, opts).sub_(m).sub_(log2_l).exp2_()  # P_j
         dp = _matmul(dout_i, v[:, :, cols].transpose(-2, -1))  # (B, H, cq, ck)
         p_dropped = p
-        if opts.dropout_p > 0.0:  # the forward's mask; 1/(1-p) is applied to dV once, at the end
+        if opts.dropout_p > 0.0:  # the forward's mask
             keep = _keep_bits(opts.row_hash[:, :, rows], opts.col_hash[cols], opts.dropout_p)
             p_dropped = _drop(p.clone(), keep)
             _drop(dp, keep).mul_(1.0 / (1.0 - opts.dropout_p))
@@ -251,6 +285,16 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
             dm = dmask[..., rows if dmask.size(-2) != 1 else slice(None), :]
             dm = dm[..., cols] if dmask.size(-1) != 1 else dm
             dm += ds.sum_to_size(dm.shape)
+
+
+def chunked_backward(dout, q, k, v, out, m, log2_l, dq, dk, dv, dmask, opts, cq):
+    """The backward: every block of cq query rows adds its share (attend_block_backward) into dq, dk,
+    dv (zeros, float32, shaped as q, k, v) and into dmask (a float mask's gradient, float32, shaped as
+    the mask) unless None; then the scale and 1 / (1 - p). Returns dq, dk, dv in the inputs' dtype."""
+    for rows in _blocks(q.size(-2), cq):
+        attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask, opts)
+    dv.mul_(1.0 / (1.0 - opts.dropout_p))
+    return dq.mul_(opts.scale).to(q.dtype), dk.mul_(opts.scale).to(k.dtype), dv.to(v.dtype)
 
 
 def default_chunk_size(device):
@@ -270,12 +314,14 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
     cq, ck = _chunks(default_chunk_size(q.device) if chunk_size is None else chunk_size)
     seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
-    return _chunked_fwd(q, k, v, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck)[0]
+    out, _m, _log2_l = _chunked_fwd(q, k, v, attn_mask, seed, dropout_p, is_causal, scale, window_size,
+                                    cq, ck)  # m and log2(l): for the backward
+    return out
 
 
-# The plumbing of the chunked path: the block loops as one custom operator, its products'
-# precision, and dropout's hash. torch.compile sees one call with known output shapes and
-# never unrolls the loops.
+# The plumbing of the chunked path: the forward and the backward as custom operators, so that
+# torch.compile sees one call with known output shapes and never unrolls the block loops; what
+# the block updates share; the products' precision; dropout's hash.
 
 
 @dataclass
@@ -285,19 +331,15 @@ class BlockOptions:
     is_causal: bool
     window_size: Optional[int]
     ck: int  # key block size
-    bias: Optional[torch.Tensor]  # the attn_mask; a float one in base 2, in float32 or wider
+    mask: Optional[torch.Tensor]  # the attn_mask (a float one is taken to base 2 block by block: _scores)
     dropout_p: float
     row_hash: Optional[torch.Tensor]  # dropout: hashes of the rows (b, h, i), (B, H, Lq, 1), int32
     col_hash: Optional[torch.Tensor]  # and of the key columns j, (Lk,)
 
 
 def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck):
-    acc_dtype = torch.promote_types(q.dtype, torch.float32)
-    bias = attn_mask
-    if attn_mask is not None and attn_mask.is_floating_point():
-        bias = _finite_bias(attn_mask, acc_dtype, LOG2E)
     hashes = _dropout_hashes(seed, *q.shape[:3], k.size(-2)) if dropout_p > 0.0 else (None, None)
-    return BlockOptions(scale, is_causal, window_size, ck, bias, dropout_p, *hashes)
+    return BlockOptions(scale, is_causal, window_size, ck, attn_mask, dropout_p, *hashes)
 
 
 def _autocast_off(op):
@@ -316,24 +358,10 @@ def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
                  seed: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
                  window_size: Optional[int], cq: int, ck: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """out (B, H, Lq, Dv), and per query the row max m and log2(l), (B, H, Lq, 1), float32 or
-    wider; a query with every key masked gets m = +inf, so that its recomputed P is 0."""
-    B, H, Lq, _ = q.shape
+    """chunked_forward as an operator: out, m, log2(l)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # every block a view, never a copy
-    opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck)
-    acc_dtype = torch.promote_types(q.dtype, torch.float32)
-    out = q.new_empty(B, H, Lq, v.size(-1))
-    m_all, log2_l = (q.new_empty(B, H, Lq, 1, dtype=acc_dtype) for _ in range(2))
-    for rows in _blocks(Lq, cq):
-        m = q.new_full((B, H, rows.stop - rows.start, 1), float("-inf"), dtype=acc_dtype)
-        l = torch.zeros_like(m)
-        o = q.new_zeros(B, H, rows.stop - rows.start, v.size(-1), dtype=acc_dtype)
-        attend_block(q, k, v, rows, o, m, l, opts)
-        dead = l == 0  # every key masked
-        out[:, :, rows] = o / (l.masked_fill(dead, 1.0) * (1.0 - dropout_p))
-        m_all[:, :, rows] = m.masked_fill(dead, float("inf"))
-        log2_l[:, :, rows] = torch.log2(l.masked_fill(dead, 1.0))
-    return out, m_all, log2_l  # m and log2(l) apart: a finfo.min bias makes m + log2(l) round to m
+    return chunked_forward(q, k, v, block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale,
+                                                  window_size, ck), cq)
 
 
 @torch.library.custom_op("minitransformer::chunked_attention_bwd", mutates_args=())
@@ -343,16 +371,14 @@ def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  seed: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
                  window_size: Optional[int], cq: int, ck: int, mask_grad: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv, and the gradient of a float attn_mask when mask_grad (else an empty tensor)."""
-    dq, dk, dv = (torch.zeros_like(t, dtype=m.dtype) for t in (q, k, v))  # laid out as q, k, v (register_fake)
+    """chunked_backward as an operator: dq, dk, dv, and a float attn_mask's gradient when mask_grad
+    (else an empty tensor)."""
+    grads = [torch.zeros_like(t, dtype=m.dtype) for t in (q, k, v)]  # laid out as q, k, v (register_fake)
     dmask = torch.zeros_like(attn_mask, dtype=m.dtype) if mask_grad else None
     dout, q, k, v = dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous()
     opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck)
-    for rows in _blocks(q.size(-2), cq):
-        attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask, opts)
-    dv.mul_(1.0 / (1.0 - dropout_p))
-    dmask = dmask.to(attn_mask.dtype) if mask_grad else q.new_empty(0)
-    return dq.mul_(scale).to(q.dtype), dk.mul_(scale).to(k.dtype), dv.to(v.dtype), dmask
+    dq, dk, dv = chunked_backward(dout, q, k, v, out, m, log2_l, *grads, dmask, opts, cq)
+    return dq, dk, dv, dmask.to(attn_mask.dtype) if mask_grad else q.new_empty(0)
 
 
 @_chunked_fwd.register_fake
@@ -407,10 +433,13 @@ def _matmul(a, b, alpha=1.0):
 
 
 def _scores(q, k, rows, cols, opts):
-    """S_j of one block in base 2, masked, (B, H, rows, cols), float32: the backward recomputes it."""
+    """S_j of one block in base 2, masked, (B, H, rows, cols), float32: the backward recomputes it. A float
+    mask's block is taken to base 2 here, in float32 or wider, a finite value kept finite."""
     s = _matmul(q[:, :, rows], k[:, :, cols].transpose(-2, -1), alpha=opts.scale * LOG2E)
-    mask = mask_block(opts.bias, rows, cols, is_causal=opts.is_causal, window_size=opts.window_size,
+    mask = mask_block(opts.mask, rows, cols, is_causal=opts.is_causal, window_size=opts.window_size,
                       device=q.device)
+    if mask is not None and mask.is_floating_point():
+        mask = _finite_bias(mask, s.dtype, LOG2E)
     return _apply_mask(s, mask)
 
 
@@ -502,15 +531,19 @@ def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size):
         mask = mask_block(attn_mask, slice(0, q.size(-2)), slice(0, k.size(-2)), is_causal=is_causal,
                           window_size=window_size, device=q.device)
         is_causal = False
-    if mask is not None and mask.is_floating_point() and mask.dtype not in (q.dtype, torch.float32):
-        mask = _finite_bias(mask, q.dtype if q.dtype.itemsize >= 4 else torch.float32)  # a dtype SDPA takes
+    if mask is not None and mask.is_floating_point():  # in a dtype SDPA takes, a finite value kept finite:
+        if q.device.type != "cpu":  # CUDA's fused kernels read a float mask in q's dtype
+            mask = _finite_bias(mask, q.dtype)
+        elif mask.dtype not in (q.dtype, torch.float32):  # the CPU's in q's or float32, the wider kept
+            mask = _finite_bias(mask, q.dtype if q.dtype.itemsize >= 4 else torch.float32)
     compiling = torch.compiler.is_compiling()  # the kernel query's Python int would break the graph
     kernel = "unknown" if compiling else _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale)
-    if mask is not None and q.device.type != "cpu" and kernel != "math":  # CPU kernels need neither step
-        if mask.is_floating_point():
-            mask = _finite_bias(mask, q.dtype)  # CUDA's fused kernels read a float mask in q's dtype
-        if kernel != "efficient" or torch.version.hip:  # only NVIDIA's efficient kernel is known to zero a
-            mask, dead = _reopen_dead_rows(mask)  # row with every key masked (cuDNN, ROCm, MPS: not)
+    # a row with every key masked: the CPU's kernels, the math kernel and NVIDIA's efficient kernel give
+    # it zeros; the others (cuDNN, ROCm, MPS) NaN, so it is re-opened, and SDPA asked again about that mask
+    zeroes_dead_rows = (q.device.type == "cpu" or kernel == "math"
+                        or (kernel == "efficient" and not torch.version.hip))
+    if mask is not None and not zeroes_dead_rows:
+        mask, dead = _reopen_dead_rows(mask)
         kernel = kernel if compiling else _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale)
     return mask, is_causal, dead, kernel
 
@@ -800,8 +833,12 @@ class Encoder(nn.Module):
         self.config = c = config
         self.embed = nn.Embedding(c.vocab_size, c.d_model)
         rope = RotaryEmbedding(c.d_model // c.n_heads, c.max_len) if c.pos_encoding == "rope" else None
-        pos = {"sinusoidal": SinusoidalPositionalEncoding, "learned": LearnedPositionalEncoding}.get(c.pos_encoding)
-        self.pos = pos(c.d_model, c.max_len, c.dropout) if pos else nn.Dropout(c.dropout)  # rope: in attention
+        if c.pos_encoding == "rope":  # rope acts in the attention: only dropout here
+            self.pos = nn.Dropout(c.dropout)
+        else:
+            learned = c.pos_encoding == "learned"
+            pos = LearnedPositionalEncoding if learned else SinusoidalPositionalEncoding
+            self.pos = pos(c.d_model, c.max_len, c.dropout)
         self.layers = nn.ModuleList(
             EncoderLayer(c.d_model, c.n_heads, c.d_ff, c.dropout, c.norm_first, c.activation, c.impl,
                          c.layer_norm_eps, chunk_size=c.chunk_size, window_size=c.window_size, rope=rope)
@@ -946,7 +983,8 @@ class TrainConfig:
                              f"warmup={self.warmup}")
         for name, f in TrainConfig.__dataclass_fields__.items():
             if "choices" in f.metadata and getattr(self, name) not in f.metadata["choices"]:
-                raise ValueError(f"{name} must be one of {f.metadata['choices']}, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be one of {f.metadata['choices']}, "
+                                 f"got {getattr(self, name)!r}")
 
     def model_config(self):
         names = ("vocab_size", "max_len", "d_model", "n_heads", "n_layers", "d_ff", "dropout", "norm_first",
@@ -1048,8 +1086,8 @@ def load_checkpoint(path):
     except FileNotFoundError:
         raise
     except Exception as e:  # truncated zip, garbage bytes, a pickle that wants to run code, ...
-        raise ValueError(f"cannot read checkpoint {path!r}: it is corrupt, truncated or not a torch checkpoint "
-                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
+        raise ValueError(f"cannot read checkpoint {path!r}: it is corrupt, truncated or not a torch "
+                         f"checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
     missing = _CHECKPOINT_KEYS - set(state) if isinstance(state, dict) else _CHECKPOINT_KEYS
     if missing:
         raise ValueError(f"{path!r} is not a minitransformer checkpoint: missing {sorted(missing)}")
@@ -1071,8 +1109,8 @@ def evaluate(model, data, amp_ctx):
 
 
 def save_heatmap(model, data, cfg, path):
-    """One held-out example: attention of layer cfg.heatmap_layer, head cfg.heatmap_head, as a PNG; returns the
-    (L, L) weights it drew (query rows, key columns)."""
+    """One held-out example: attention of layer cfg.heatmap_layer, head cfg.heatmap_head, as a PNG;
+    returns the (L, L) weights it drew (query rows, key columns)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -1102,7 +1140,8 @@ def save_heatmap(model, data, cfg, path):
 def _setup_device(cfg):
     """(device, rank, world): torchrun (RANK set) starts a process group, gloo on CPU, NCCL on CUDA,
     one GPU per process."""
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if cfg.device == "auto" else cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {cfg.device}: no CUDA device is available here")
     if "LOCAL_RANK" in os.environ and device.type == "cuda":
@@ -1146,7 +1185,8 @@ def _train(cfg, device, rank, world, say):
             torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)
         scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
     except (RuntimeError, ValueError) as e:
-        raise RuntimeError(f"--amp {cfg.amp} is not supported on {device} by torch {torch.__version__}: {e}") from e
+        raise RuntimeError(f"--amp {cfg.amp} is not supported on {device} by torch {torch.__version__}: "
+                           f"{e}") from e
     state = load_checkpoint(cfg.resume) if cfg.resume else None
     if state:
         check_resume(cfg, state, world)
@@ -1158,8 +1198,8 @@ def _train(cfg, device, rank, world, say):
         optimizer, lambda s: lr_factor(s, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
     start = state["step"] if state else 0
     if state:
-        for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
-            obj.load_state_dict(state[name])
+        for name, part in dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler).items():
+            part.load_state_dict(state[name])
         torch.set_rng_state(state["rng"][rank]["cpu"])  # every rank's own dropout stream
         if state["rng"][rank]["cuda"] is not None and device.type == "cuda":
             torch.cuda.set_rng_state(state["rng"][rank]["cuda"], device)
@@ -1168,7 +1208,8 @@ def _train(cfg, device, rank, world, say):
         torch.manual_seed(cfg.seed + 1 + rank)  # dropout differs per rank, as the data does
     ddp = model
     if world > 1:
-        ddp = nn.parallel.DistributedDataParallel(model, device_ids=None if device.index is None else [device.index])
+        ids = None if device.index is None else [device.index]
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids)
     if cfg.compile_model:  # the training forward and backward; evaluation and checkpoints use `model` itself
         ddp = torch.compile(ddp)
     held_out = reverse_batch(cfg.eval_size, cfg.min_len, cfg.max_len, mcfg.vocab_size,
@@ -1217,8 +1258,9 @@ def _train(cfg, device, rank, world, say):
         if logging:
             batch_acc = ((logits.argmax(-1) == y) & (y != PAD)).sum().item() / (y != PAD).sum().item()
             now, n_skipped = time.time(), skipped.item()
-            say(f"step {done:5d} | loss {loss_value:.4f} | acc {batch_acc:.3f} | lr {scheduler.get_last_lr()[0]:.2e}"
-                f" | grad norm {norm.item():.3f} | {tokens.item() / (now - t_log):,.0f} tok/s"
+            say(f"step {done:5d} | loss {loss_value:.4f} | acc {batch_acc:.3f} | "
+                f"lr {scheduler.get_last_lr()[0]:.2e} | grad norm {norm.item():.3f} | "
+                f"{tokens.item() / (now - t_log):,.0f} tok/s"
                 + (f" | skipped {n_skipped}" if n_skipped else ""))
             t_log = now
             tokens.zero_()
@@ -1254,8 +1296,9 @@ def _train(cfg, device, rank, world, say):
         result["max_param_diff_across_ranks"] = max((g - gathered[0]).abs().max().item() for g in gathered)
         say(f"max parameter difference across {world} ranks: {result['max_param_diff_across_ranks']:.3g}")
     say(f"accuracy={result.get('accuracy', float('nan')):.4f} (held-out tokens; "
-        f"{result.get('seq_accuracy', float('nan')):.3f} of sequences exact; loss {loss_value:.4f}; {last} steps "
-        f"in {seconds:.1f} s; skipped steps {result['skipped_steps']}; impl={mcfg.impl}, amp={cfg.amp})")
+        f"{result.get('seq_accuracy', float('nan')):.3f} of sequences exact; loss {loss_value:.4f}; "
+        f"{last} steps in {seconds:.1f} s; skipped steps {result['skipped_steps']}; impl={mcfg.impl}, "
+        f"amp={cfg.amp})")
     return result
 
 
@@ -1296,13 +1339,14 @@ def parse_args(argv=None):
 
 
 def _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size):
-    """The arguments every path takes, checked: (q, k, v, attn_mask ready for mask_block, scale).
-    Under autocast, float32 q, k, v are cast to autocast's dtype, as autocast casts SDPA's."""
+    """The arguments every path takes, checked, then as SDPA takes them (_sdpa_conventions):
+    (q, k, v, attn_mask ready for mask_block, scale)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
     if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"q, k, v must share (B, H), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(f"q, k, v must share (B, H), got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
     if q.size(-1) != k.size(-1):
         raise ValueError(f"q and k must share the head dim, got {tuple(q.shape)} and {tuple(k.shape)}")
     if k.size(-2) != v.size(-2):
@@ -1315,10 +1359,7 @@ def _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size):
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
     if window_size is not None and (not isinstance(window_size, int) or window_size < 0):
         raise ValueError(f"window_size must be a non-negative int or None, got {window_size!r}")
-    if q.dtype == torch.float32 and torch.is_autocast_enabled(q.device.type):
-        dtype = torch.get_autocast_dtype(q.device.type)
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
+    q, k, v, scale = _sdpa_conventions(q, k, v, scale)
     return q, k, v, _check_mask(attn_mask, q, k), scale
 
 
@@ -1331,8 +1372,8 @@ def _check_mask(attn_mask, q, k):
                         f"{attn_mask.dtype}; for a 0/1 integer mask pass mask.bool() (1 = may attend), for "
                         "nn.MultiheadAttention's convention (1 = ignore) pass ~mask.bool()")
     if attn_mask.device != q.device:
-        raise ValueError(f"attn_mask is on {attn_mask.device} and q on {q.device}: move the mask once, where it "
-                         "is made (a copy in every call would make the host wait for the device)")
+        raise ValueError(f"attn_mask is on {attn_mask.device} and q on {q.device}: move the mask once, where "
+                         "it is made (a copy in every call would make the host wait for the device)")
     target = (q.size(0), q.size(1), q.size(2), k.size(2))
     shape = tuple(attn_mask.shape)
     if len(shape) > 4 or any(m not in (1, t) for m, t in zip(reversed(shape), reversed(target))):

@@ -23,6 +23,7 @@ r holds chunks r and 2P-1-r of 2P) every rank does the same work a step.
 """
 
 import functools
+import struct
 
 import torch
 import torch.distributed as dist
@@ -44,62 +45,22 @@ def shard_sequence(x, rank, world_size, layout="contiguous", dim=-2):
 
 
 @torch.compiler.disable  # point-to-point messages have no place in a compiled graph
-def ring_attention(q, k, v, is_causal=False, scale=None, *, group=None, layout="contiguous"):
+def ring_attention(q, k, v, *, is_causal=False, scale=None, group=None, layout="contiguous"):
     """softmax(Q K^T * scale) V over a sequence sharded across the ranks of a process group.
 
     q (B, H, L/P, D), k (B, H, L/P, D), v (B, H, L/P, Dv): this rank's shard, in `layout`
     (shard_sequence); returns this rank's shard of the output, (B, H, L/P, Dv). group=None:
     the default process group. Differentiable; float16 and bfloat16 follow the chunked path,
-    and under autocast float32 inputs are computed in autocast's dtype, as by SDPA. Every rank
-    checks that all shards agree; on a GPU without a host sync (a device-side assert).
+    and under autocast float32 inputs are computed in autocast's dtype, as by SDPA.
+
+    Every call checks, with one small all-reduce, that all ranks pass shards of one shape, dtype
+    and layout and the same is_causal and scale. On a CPU every rank then raises a ValueError
+    that names the problem. On a GPU the verdict is a device-side assert, with no host sync: a
+    mismatch ends the CUDA context on every rank, as a failed collective would. An error raised
+    on one rank alone before this call (a bad token id, say) leaves the others waiting in it.
     """
-    q, k, v, scale = _check_ring_args(q, k, v, scale, group, layout)
+    q, k, v, scale = _check_ring_args(q, k, v, is_causal, scale, group, layout)
     return _RingAttention.apply(q, k, v, is_causal, scale, group, layout)
-
-
-def ring_impl(group=None, layout="contiguous"):
-    """ring_attention as a MultiHeadAttention impl (minitransformer.attention's impl=): it refuses
-    what the ring does not do, a mask, dropout and a window, with a clear error."""
-    return functools.partial(_ring_impl, group=group, layout=layout)
-
-
-def _ring_impl(q, k, v, attn_mask, dropout_p, is_causal, scale, *, window_size, group, layout):
-    if attn_mask is not None or dropout_p > 0.0 or window_size is not None:
-        raise ValueError(f"ring attention takes no attn_mask, no dropout and no window_size, got attn_mask="
-                         f"{None if attn_mask is None else tuple(attn_mask.shape)}, dropout_p={dropout_p}, "
-                         f"window_size={window_size}")
-    return ring_attention(q, k, v, is_causal, scale, group=group, layout=layout)
-
-
-class ShardedEncoder(nn.Module):
-    """A minitransformer Encoder run on this rank's shard of every sequence, its attention the ring.
-
-    forward(idx, is_causal): idx (B, T/P), this rank's shard of token ids (shard_sequence, dim=1,
-    in `layout`) -> this rank's shard of the hidden states, (B, T/P, d_model). Positions are the
-    tokens' places in the whole sequence. The encoder's config needs dropout=0.0 and
-    window_size=None; its weights are the encoder's own (a state_dict moves freely between them).
-    """
-
-    def __init__(self, encoder, group=None, layout="contiguous"):
-        super().__init__()
-        c = encoder.config
-        if c.dropout or c.window_size is not None:
-            raise ValueError(f"the ring has no dropout and no window: build the encoder with dropout=0.0 and "
-                             f"window_size=None, got dropout={c.dropout}, window_size={c.window_size}")
-        if layout not in RING_LAYOUTS:
-            raise ValueError(f"layout must be one of {RING_LAYOUTS}, got {layout!r}")
-        self.encoder, self.group, self.layout = encoder, group, layout
-        for layer in encoder.layers:
-            layer.self_attn.impl = ring_impl(group, layout)
-
-    def forward(self, idx, is_causal=False):
-        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        T = idx.size(1) * world
-        if T > self.encoder.config.max_len:
-            raise ValueError(f"the whole sequence, {world} shards of {idx.size(1)} tokens, exceeds max_len="
-                             f"{self.encoder.config.max_len}")
-        positions = shard_sequence(torch.arange(T, device=idx.device), rank, world, self.layout, dim=0)
-        return self.encoder(idx, is_causal=is_causal, positions=positions)
 
 
 # -----------------------------------------------------------------------------
@@ -117,8 +78,10 @@ def _ring_steps(rank, world, n, is_causal, layout):
             steps.append([(whole, whole, is_causal)])
         elif layout == "contiguous":
             steps.append([(whole, whole, False)] if j < rank else [])
-        else:  # zigzag: chunk x sees all of chunk y < x: the earlier half of j's block, or its later queries
-            steps.append([(whole, slice(0, half), False) if j < rank else (slice(half, n), whole, False)])
+        elif j < rank:  # zigzag: rank r holds chunks r and 2P-1-r of 2P, j holds j and 2P-1-j. Both our
+            steps.append([(whole, slice(0, half), False)])  # chunks lie after chunk j and before 2P-1-j:
+        else:  # all our queries see j's first half, none its second. For j > r, our chunk r lies before
+            steps.append([(slice(half, n), whole, False)])  # both of j's, our chunk 2P-1-r after both
     return steps
 
 
@@ -169,9 +132,11 @@ def _ring_forward(q, k, v, is_causal, scale, group, layout):
     o = q.new_zeros(*q.shape[:-1], v.size(-1), dtype=acc_dtype)  # (B, H, n, Dv): the running output
     m = q.new_full((*q.shape[:-1], 1), float("-inf"), dtype=acc_dtype)  # (B, H, n, 1)
     l = torch.zeros_like(m)
-    kv, steps = (k.contiguous(), v.contiguous()), _ring_steps(rank, world, q.size(-2), is_causal, layout)
+    kv = k.contiguous(), v.contiguous()  # (B, H, n, D), (B, H, n, Dv): the visiting block, first our own
+    steps = _ring_steps(rank, world, q.size(-2), is_causal, layout)
     for s in range(world):
-        received, requests = _ring_pass(kv, group) if s < world - 1 else (None, [])  # travels while we compute
+        # the next block travels while this one computes
+        received, requests = _ring_pass(kv, group) if s < world - 1 else (None, [])
         for rows, cols, causal in steps[s]:
             q_s, k_s, v_s = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
             opts = mt.block_options(q_s, k_s, None, None, 0.0, causal, scale, None, ck)
@@ -197,7 +162,8 @@ def _ring_backward(dout, q, k, v, out, m, log2_l, is_causal, scale, group, layou
     arrived, sent, dkv_requests = None, None, []  # the visiting block's dK, dV from the ranks before
     for s in range(world):
         received, requests = _ring_pass(kv, group) if s < world - 1 else (None, [])
-        own = [torch.zeros_like(t, dtype=out.dtype) for t in kv]  # this rank's share of the block's dK, dV
+        # this rank's share of the visiting block's dK, dV: (B, H, n, D), (B, H, n, Dv), float32
+        own = [torch.zeros_like(t, dtype=out.dtype) for t in kv] if steps[s] or arrived is None else arrived
         for rows, cols, causal in steps[s]:
             q_s, k_s, v_s = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
             grads = dq[:, :, rows], own[0][:, :, cols], own[1][:, :, cols]
@@ -205,9 +171,9 @@ def _ring_backward(dout, q, k, v, out, m, log2_l, is_causal, scale, group, layou
             opts = mt.block_options(q_s, k_s, None, None, 0.0, causal, scale, None, ck)
             for block in mt._blocks(q_s.size(-2), cq):
                 mt.attend_block_backward(dout[:, :, rows], q_s, k_s, v_s, *stats, block, *grads, None, opts)
-        if arrived is not None:  # they travelled while this step computed
-            _wait(dkv_requests)
-            own = [a.add_(o) for a, o in zip(arrived, own)]
+        _wait(dkv_requests)  # the block's dK, dV from the ranks before: they travelled during this step
+        if arrived is not None and steps[s]:
+            own = [a.add_(share) for a, share in zip(arrived, own)]
         sent = own  # kept alive until its messages are done
         arrived, dkv_requests = _ring_pass(sent, group) if world > 1 else (sent, [])
         _wait(requests)
@@ -218,15 +184,71 @@ def _ring_backward(dout, q, k, v, out, m, log2_l, is_causal, scale, group, layou
 
 
 # -----------------------------------------------------------------------------
+# An encoder on a sharded sequence
+
+
+def ring_impl(group=None, layout="contiguous"):
+    """ring_attention as a MultiHeadAttention impl (minitransformer.attention's impl=): it refuses
+    what the ring does not do, a mask, dropout and a window, with a clear error."""
+    return functools.partial(_ring_impl, group=group, layout=layout)
+
+
+def _ring_impl(q, k, v, attn_mask, dropout_p, is_causal, scale, *, window_size, group, layout):
+    if attn_mask is not None or dropout_p > 0.0 or window_size is not None:
+        raise ValueError(f"ring attention takes no attn_mask, no dropout and no window_size, got attn_mask="
+                         f"{None if attn_mask is None else tuple(attn_mask.shape)}, dropout_p={dropout_p}, "
+                         f"window_size={window_size}")
+    return ring_attention(q, k, v, is_causal=is_causal, scale=scale, group=group, layout=layout)
+
+
+class ShardedEncoder(nn.Module):
+    """A minitransformer Encoder run on this rank's shard of every sequence, its attention the ring.
+
+    forward(idx, is_causal): idx (B, T/P), this rank's shard of token ids (shard_sequence, dim=1,
+    in `layout`) -> this rank's shard of the hidden states, (B, T/P, d_model). Positions are the
+    tokens' places in the whole sequence. The encoder's config needs dropout=0.0 and
+    window_size=None. Its weights are the encoder's own, and its layers attend through the ring
+    only inside this forward: the encoder itself still runs unsharded.
+    """
+
+    def __init__(self, encoder, group=None, layout="contiguous"):
+        super().__init__()
+        c = encoder.config
+        if c.dropout or c.window_size is not None:
+            raise ValueError(f"the ring has no dropout and no window: build the encoder with dropout=0.0 and "
+                             f"window_size=None, got dropout={c.dropout}, window_size={c.window_size}")
+        if layout not in RING_LAYOUTS:
+            raise ValueError(f"layout must be one of {RING_LAYOUTS}, got {layout!r}")
+        self.encoder, self.group, self.layout = encoder, group, layout
+
+    def forward(self, idx, is_causal=False):
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        T = idx.size(1) * world
+        if T > self.encoder.config.max_len:
+            raise ValueError(f"the whole sequence, {world} shards of {idx.size(1)} tokens, exceeds max_len="
+                             f"{self.encoder.config.max_len}")
+        positions = shard_sequence(torch.arange(T, device=idx.device), rank, world, self.layout, dim=0)
+        attns = [layer.self_attn for layer in self.encoder.layers]
+        impls = [attn.impl for attn in attns]
+        try:
+            for attn in attns:
+                attn.impl = ring_impl(self.group, self.layout)
+            return self.encoder(idx, is_causal=is_causal, positions=positions)
+        finally:
+            for attn, impl in zip(attns, impls):
+                attn.impl = impl
+
+
+# -----------------------------------------------------------------------------
 # Input checks: every rank refuses together (one that raised alone would leave the others waiting)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check_ring_args(q, k, v, scale, group, layout):
-    """(q, k, v, scale) checked on this rank, and shards of one shape, dtype and layout on every rank,
-    compared by one all-reduce of their description: on a CPU the result is read and named, on a GPU a
-    device-side assert refuses on every rank with no host sync."""
+def _check_ring_args(q, k, v, is_causal, scale, group, layout):
+    """(q, k, v, scale) checked on this rank, and the same shard shape, dtype, layout, is_causal and scale on
+    every rank, compared by one all-reduce of a description of fixed length: on a CPU the verdict is read and
+    named, on a GPU it is a device-side assert (no host sync)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("ring_attention needs a process group: call torch.distributed.init_process_group "
                            "first (torchrun sets up its environment)")
@@ -236,30 +258,39 @@ def _check_ring_args(q, k, v, scale, group, layout):
         if q.size(-2) != k.size(-2):
             raise ValueError(f"q and k shards must be as long, got {q.size(-2)} and {k.size(-2)}")
         _check_ring_layout(q.size(-2) * world, world, layout)
-    except (TypeError, ValueError) as e:
-        problem = str(e)
-    shard = [*q.shape, v.size(-1), _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1,
-             RING_LAYOUTS.index(layout) if layout in RING_LAYOUTS else -1]
+    except Exception as e:  # whatever it is, this rank must still take part in the all-reduce below
+        problem = str(e) if isinstance(e, (TypeError, ValueError)) else f"{type(e).__name__}: {e}"
+    if problem is None:  # (B, H, n, D, Dv, dtype, layout, is_causal, scale's bits): 9 int64 on every rank
+        scale_bits = struct.unpack("<q", struct.pack("<d", scale))[0]
+        shard = [*q.shape, v.size(-1), _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1,
+                 RING_LAYOUTS.index(layout), int(bool(is_causal)), scale_bits]
+    else:
+        shard = [0] * 9
     refused = [int(r == rank and problem is not None) for r in range(world)]
     # max(x) and max(-x) = -min(x): all ranks agree where they meet. Pinned and non-blocking: no sync
-    seen = torch.tensor(shard + [-x for x in shard] + refused, pin_memory=q.is_cuda)
-    seen = seen.to(q.device, non_blocking=True)
+    device = q.device if torch.is_tensor(q) else torch.device("cpu")
+    seen = torch.tensor(shard + [-x for x in shard] + refused, pin_memory=device.type == "cuda")
+    seen = seen.to(device, non_blocking=True)
     dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
     n = len(shard)
-    if q.device.type != "cpu":
-        torch._assert_async((seen[:n] == -seen[n:2 * n]).all() & (seen[2 * n:] == 0).all(),
-                            "ring_attention: a rank refused its input, or the shards differ in shape, dtype "
-                            "or layout across ranks")
+    if device.type != "cpu":
+        agree = (seen[:n] == -seen[n:2 * n]).all() & (seen[2 * n:] == 0).all()
+        torch._assert_async(agree, "ring_attention: a rank refused its input, or the ranks disagree")
         if problem:
             raise ValueError(f"ring_attention refused its input on rank {rank}: {problem}")
         return q, k, v, scale
     seen = seen.tolist()
     if any(seen[2 * n:]):
+        refusing = [r for r in range(world) if seen[2 * n + r]]
         raise ValueError("ring_attention refused its input on " + "; ".join(
-            f"rank {r}: {problem if r == rank else 'see its own error'}" for r in range(world) if seen[2 * n + r]))
+            f"rank {r}: {problem if r == rank else 'see its own error'}" for r in refusing))
     if seen[:n] != [-x for x in seen[n:2 * n]]:
-        raise ValueError("ring_attention needs shards of one shape, dtype and layout on every rank: (B, H, n, "
-                         f"D, Dv, dtype, layout) go from {[-x for x in seen[n:2 * n]]} to {seen[:n]} across ranks")
+        low, high = [-x for x in seen[n:2 * n]], seen[:n]
+        names = ("B", "H", "n", "D", "Dv", "dtype", "layout", "is_causal", "scale")
+        differ = [f"{name} from {a} to {b}" if name != "scale" else "scale"
+                  for name, a, b in zip(names, low, high) if a != b]
+        raise ValueError("ring_attention needs shards of one shape, dtype and layout, and one is_causal and "
+                         f"scale, on every rank; across the ranks these differ: {', '.join(differ)}")
     return q, k, v, scale
 
 

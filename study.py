@@ -436,7 +436,7 @@ def measure_point(spec):
 
 def _ring_wait_ms(work, step):
     """Milliseconds one ring step spends waiting for K/V blocks (and their gradients) that compute did not
-    hide: the "ring_attention.wait" regions of minitransformer, read through the profiler. None on CUDA,
+    hide: the "ring_attention.wait" regions of ring_attention.py, read through the profiler. None on CUDA,
     where NCCL's wait does not block the host."""
     if work.device.type == "cuda":
         return None
@@ -539,12 +539,12 @@ def _worker(conn, device, budget_bytes, rank=0, world=1, store=None, linux_memor
     global LINUX_MEMORY
     LINUX_MEMORY = linux_memory  # the parent's answer (tests simulate another OS there)
     if world > 1:  # one rank of a ring series: a process group, the cores shared among the ranks
-        torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{store}",
-                                             rank=rank, world_size=world)
-        if device == "cuda":
+        if device == "cuda":  # before the process group: NCCL binds to the current device
             torch.cuda.set_device(rank)
         else:
             torch.set_num_threads(max(1, torch.get_num_threads() // world))
+        torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{store}",
+                                             rank=rank, world_size=world)
     if budget_bytes and device == "cuda":
         _cap_gpu_memory(budget_bytes)
     elif budget_bytes:

@@ -552,6 +552,27 @@ def test_cuda_flash_reports_the_kernel_that_runs_with_a_float32_mask(backend):
         with torch.profiler.profile() as prof:
             mt.flash_attention(q, k, v, attn_mask=bias, on_math="allow")
     assert any(ops[kernel] in e.key for e in prof.key_averages()), (kernel, [e.key for e in prof.key_averages()])
+    if backend == SDPBackend.EFFICIENT_ATTENTION:  # it takes a bfloat16 mask: no fall-back to math here
+        assert kernel == "efficient"
+
+
+@needs_cuda
+def test_cuda_flash_with_two_fused_kernels_enabled_zeroes_dead_rows():
+    # efficient and cuDNN both enabled: whichever runs on the converted mask, a row with every key masked is zero
+    # and finite, forward and backward, and the kernel reported is the one the profiler sees
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 2, 64, 64, 64, dtype=torch.bfloat16, device="cuda"))
+    keep = torch.ones(2, 1, 64, 64, dtype=torch.bool, device="cuda")
+    keep[:, :, 5] = False  # a dead row
+    bias = torch.zeros(keep.shape, device="cuda").masked_fill(~keep, -math.inf)  # float32, as a model holds it
+    ops = {"efficient": "efficient_attention", "cudnn": "cudnn_attention", "math": "attention_math"}
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]):
+        kernel = mt.sdpa_kernel_name(q, k, v, attn_mask=bias)
+        with torch.profiler.profile() as prof:
+            out = mt.flash_attention(q, k, v, attn_mask=bias, on_math="allow")
+    out.float().sum().backward()
+    assert any(ops[kernel] in e.key for e in prof.key_averages()), kernel
+    assert torch.isfinite(out).all() and (out[:, :, 5] == 0).all()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
 @pytest.mark.parametrize("impl", mt.IMPLS)
@@ -1222,6 +1243,7 @@ def ring_encoder_case(rank, world, layout, pos_encoding, causal):
     (out * w).sum().backward()
     shard = lambda t: ring.shard_sequence(t, rank, world, layout, dim=1)  # noqa: E731
     out_shard = sharded(shard(idx), is_causal=causal)
+    assert all(layer.self_attn.impl == "flash" for layer in sharded.encoder.layers)  # the ring inside forward only
     (out_shard * shard(w)).sum().backward()
     grads = torch.cat([p.grad.reshape(-1) for p in sharded.parameters()])
     torch.distributed.all_reduce(grads)  # each rank's loss covers its shard: the gradients add up
@@ -1238,6 +1260,13 @@ def ring_errors_case(rank, world):
             ring.ring_attention(q, q, q, layout=layout)
         except ValueError as e:
             messages.append(str(e))
+    # a 3-D shard on rank 0 alone (the all-reduce keeps its length), and ranks that disagree on is_causal
+    for q, causal in ((torch.randn(2, 8, 8) if rank == 0 else torch.randn(1, 2, 8, 8), False),
+                      (torch.randn(1, 2, 8, 8), rank == 0)):
+        try:
+            ring.ring_attention(q, q, q, is_causal=causal)
+        except ValueError as e:
+            messages.append(str(e))
     # what the ring does not do is refused on the rank that asks, before any message is sent
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # small heads
@@ -1248,8 +1277,7 @@ def ring_errors_case(rank, world):
                     lambda: mt.MultiHeadAttention(32, 2, impl=ring.ring_impl())(x, torch.ones(8, 8, dtype=torch.bool)),
                     lambda: ring.ShardedEncoder(mt.Encoder(mt.EncoderConfig(dropout=0.1, **cfg))),
                     lambda: ring.ShardedEncoder(mt.Encoder(mt.EncoderConfig(window_size=4, **cfg))),
-                    lambda: ring.ShardedEncoder(mt.Encoder(mt.EncoderConfig(**cfg))).encoder.attention_weights(
-                        torch.zeros(1, 8, dtype=torch.long))]
+                    lambda: ring.ShardedEncoder(mt.Encoder(mt.EncoderConfig(**cfg)), layout="spiral")]
         for refused in refusals:
             try:
                 refused()
@@ -1271,7 +1299,8 @@ def ring_options_case(rank, world, layout, causal):
         ref = grads_of(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=tril if causal else None,
                                                                       scale=0.3), q, k, v, dout)
     shard = lambda t: ring.shard_sequence(t, rank, world, layout)  # noqa: E731
-    ours = grads_of(lambda q, k, v: ring.ring_attention(q, k, v, causal, 0.3, group=group, layout=layout),
+    ours = grads_of(lambda q, k, v: ring.ring_attention(q, k, v, is_causal=causal, scale=0.3, group=group,
+                                                        layout=layout),
                     *(shard(t) for t in (q, k, v, dout)))
     return [(x - shard(r)).abs().max().item() for x, r in zip(ours, ref)]
 
@@ -1334,14 +1363,16 @@ def test_ring_encoder_equals_the_unsharded_encoder_and_bad_input_is_refused(tmp_
         for errors in results[case]:
             assert max(errors) < 1e-10, (case, errors)
     for rank, messages in enumerate(results[("errors",)]):
-        assert len(messages) == 9  # every case raised on every rank: none left another waiting
-        assert "ring_attention needs shards of one shape, dtype and layout on every rank" in messages[0]
+        assert len(messages) == 11  # every case raised on every rank: none left another waiting
+        assert "ring_attention needs shards of one shape, dtype and layout" in messages[0] and "n from 6 to 8" in messages[0]
         assert f"rank {rank}: a zigzag layout cuts the sequence into 4 equal parts" in messages[1]
         assert "even" in messages[1] and all(f"rank {r}:" in messages[1] for r in range(2))
         assert "refused its input on rank 0:" in messages[2] and "rank 1" not in messages[2]
         assert ("a zigzag layout" in messages[2]) == (rank == 0)  # the rank at fault names its problem
-        assert "need_weights" in messages[3] and "no window_size" in messages[4] and "no attn_mask" in messages[5]
-        assert "no dropout" in messages[6] and "window_size=4" in messages[7] and "need_weights" in messages[8]
+        assert "refused its input on rank 0:" in messages[3] and ("q must be 4-D" in messages[3]) == (rank == 0)
+        assert "is_causal from 0 to 1" in messages[4]
+        assert "need_weights" in messages[5] and "no window_size" in messages[6] and "no attn_mask" in messages[7]
+        assert "no dropout" in messages[8] and "window_size=4" in messages[9] and "layout must be one of" in messages[10]
     with pytest.raises(RuntimeError, match="ring_attention needs a process group"):
         ring.ring_attention(*(torch.randn(1, 2, 8, 8) for _ in range(3)))
 
