@@ -207,7 +207,7 @@ LOG2E = math.log2(math.e)
 def attend_block(q, k, v, rows, o, m, l, opts):
     """The forward's block update: queries `rows` against every key block j they see.
 
-        S_j = Q K_j^T * scale * log2(e) + M_j * log2(e)      (M_j: the mask of the block)
+        S_j = Q K_j^T * scale * log2(e) + M_j * log2(e)      (M_j: the block's mask, clamped finite but -inf)
         m' = max(m, rowmax(S_j)),   P_j = exp2(S_j - m'),   alpha = exp2(m - m'),
         l' = alpha * l + rowsum(P_j),   o' = alpha * o + (Z_j * P_j) V_j
 
@@ -394,20 +394,20 @@ def _(dout, q, k, v, out, m, log2_l, attn_mask, seed, dropout_p, is_causal, scal
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
 
-def _chunked_setup_context(ctx, inputs, output):
+def _chunked_save(ctx, inputs, output):
     q, k, v, attn_mask, seed, *options = inputs
     ctx.save_for_backward(q, k, v, *output, attn_mask, seed)  # output: out, m, log2(l)
     ctx.options = options  # dropout_p, is_causal, scale, window_size, cq, ck
 
 
-def _chunked_backward(ctx, dout, _dm, _dlog2_l):
+def _chunked_grad(ctx, dout, _dm, _dlog2_l):
     q, k, v, out, m, log2_l, attn_mask, seed = ctx.saved_tensors
     mask_grad = ctx.needs_input_grad[3]  # a float mask that requires grad: a learned bias (T5, ALiBi)
     dq, dk, dv, dmask = _chunked_bwd(dout, q, k, v, out, m, log2_l, attn_mask, seed, *ctx.options, mask_grad)
     return dq, dk, dv, dmask if mask_grad else None, None, None, None, None, None, None, None
 
 
-_chunked_fwd.register_autograd(_chunked_backward, setup_context=_chunked_setup_context)
+_chunked_fwd.register_autograd(_chunked_grad, setup_context=_chunked_save)
 
 _BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(a, b, out_dtype=...), CUDA
 
@@ -433,8 +433,8 @@ def _matmul(a, b, alpha=1.0):
 
 
 def _scores(q, k, rows, cols, opts):
-    """S_j of one block in base 2, masked, (B, H, rows, cols), float32: the backward recomputes it. A float
-    mask's block is taken to base 2 here, in float32 or wider, a finite value kept finite."""
+    """S_j of one block in base 2, masked, (B, H, rows, cols), float32 (float64 for float64): the backward
+    recomputes it. A float mask's block goes to base 2 here, in that dtype, clamped to its finite range."""
     s = _matmul(q[:, :, rows], k[:, :, cols].transpose(-2, -1), alpha=opts.scale * LOG2E)
     mask = mask_block(opts.mask, rows, cols, is_causal=opts.is_causal, window_size=opts.window_size,
                       device=q.device)
@@ -531,20 +531,26 @@ def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size):
         mask = mask_block(attn_mask, slice(0, q.size(-2)), slice(0, k.size(-2)), is_causal=is_causal,
                           window_size=window_size, device=q.device)
         is_causal = False
-    if mask is not None and mask.is_floating_point():  # in a dtype SDPA takes, a finite value kept finite:
-        if q.device.type != "cpu":  # CUDA's fused kernels read a float mask in q's dtype
-            mask = _finite_bias(mask, q.dtype)
-        elif mask.dtype not in (q.dtype, torch.float32):  # the CPU's in q's or float32, the wider kept
-            mask = _finite_bias(mask, q.dtype if q.dtype.itemsize >= 4 else torch.float32)
-    compiling = torch.compiler.is_compiling()  # the kernel query's Python int would break the graph
-    kernel = "unknown" if compiling else _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale)
+    float_mask = mask is not None and mask.is_floating_point()
+    if float_mask and mask.dtype not in (q.dtype, torch.float32):  # a dtype SDPA takes, the wider kept
+        mask = _finite_bias(mask, q.dtype if q.dtype.itemsize >= 4 else torch.float32)
+    compiling = torch.compiler.is_compiling()
+
+    def ask(m):  # the kernel SDPA runs on mask m (under compile its Python int would break the graph)
+        return "unknown" if compiling else _chosen_kernel(q, k, v, m, dropout_p, is_causal, scale)
+    kernel = ask(mask)
+    if float_mask and q.device.type != "cpu" and mask.dtype != q.dtype:  # CUDA's fused kernels read a float
+        low = _finite_bias(mask, q.dtype)  # mask in q's dtype; the math kernel keeps the wider one
+        low_kernel = ask(low)
+        if low_kernel != "math":
+            mask, kernel = low, low_kernel
     # a row with every key masked: the CPU's kernels, the math kernel and NVIDIA's efficient kernel give
     # it zeros; the others (cuDNN, ROCm, MPS) NaN, so it is re-opened, and SDPA asked again about that mask
     zeroes_dead_rows = (q.device.type == "cpu" or kernel == "math"
                         or (kernel == "efficient" and not torch.version.hip))
     if mask is not None and not zeroes_dead_rows:
         mask, dead = _reopen_dead_rows(mask)
-        kernel = kernel if compiling else _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale)
+        kernel = ask(mask)
     return mask, is_causal, dead, kernel
 
 

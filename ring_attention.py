@@ -78,10 +78,14 @@ def _ring_steps(rank, world, n, is_causal, layout):
             steps.append([(whole, whole, is_causal)])
         elif layout == "contiguous":
             steps.append([(whole, whole, False)] if j < rank else [])
-        elif j < rank:  # zigzag: rank r holds chunks r and 2P-1-r of 2P, j holds j and 2P-1-j. Both our
-            steps.append([(whole, slice(0, half), False)])  # chunks lie after chunk j and before 2P-1-j:
-        else:  # all our queries see j's first half, none its second. For j > r, our chunk r lies before
-            steps.append([(slice(half, n), whole, False)])  # both of j's, our chunk 2P-1-r after both
+        # zigzag: rank r holds chunks r and 2P-1-r of the 2P, rank j chunks j and 2P-1-j. For j < r both
+        # our chunks lie after chunk j and before chunk 2P-1-j: all our queries see j's first half, none
+        # its second. For j > r our chunk r lies before both of j's chunks, our chunk 2P-1-r after both:
+        # only our second half sees, and it sees all of j's block.
+        elif j < rank:
+            steps.append([(whole, slice(0, half), False)])
+        else:
+            steps.append([(slice(half, n), whole, False)])
     return steps
 
 
@@ -162,7 +166,7 @@ def _ring_backward(dout, q, k, v, out, m, log2_l, is_causal, scale, group, layou
     arrived, sent, dkv_requests = None, None, []  # the visiting block's dK, dV from the ranks before
     for s in range(world):
         received, requests = _ring_pass(kv, group) if s < world - 1 else (None, [])
-        # this rank's share of the visiting block's dK, dV: (B, H, n, D), (B, H, n, Dv), float32
+        # this rank's share of the visiting block's dK, dV: (B, H, n, D), (B, H, n, Dv), float32 or wider
         own = [torch.zeros_like(t, dtype=out.dtype) for t in kv] if steps[s] or arrived is None else arrived
         for rows, cols, causal in steps[s]:
             q_s, k_s, v_s = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
@@ -208,7 +212,8 @@ class ShardedEncoder(nn.Module):
     in `layout`) -> this rank's shard of the hidden states, (B, T/P, d_model). Positions are the
     tokens' places in the whole sequence. The encoder's config needs dropout=0.0 and
     window_size=None. Its weights are the encoder's own, and its layers attend through the ring
-    only inside this forward: the encoder itself still runs unsharded.
+    only inside this forward: the encoder itself still runs unsharded. So nothing may recompute a
+    layer outside it (reentrant torch.utils.checkpoint would recompute it without the ring).
     """
 
     def __init__(self, encoder, group=None, layout="contiguous"):
@@ -220,6 +225,10 @@ class ShardedEncoder(nn.Module):
         if layout not in RING_LAYOUTS:
             raise ValueError(f"layout must be one of {RING_LAYOUTS}, got {layout!r}")
         self.encoder, self.group, self.layout = encoder, group, layout
+
+    def attention_weights(self, *args, **kwargs):
+        raise ValueError("attention_weights needs the whole sequence on one device: call it on the unsharded "
+                         "encoder with the whole sequence (ShardedEncoder(...).encoder)")
 
     def forward(self, idx, is_causal=False):
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
@@ -253,19 +262,19 @@ def _check_ring_args(q, k, v, is_causal, scale, group, layout):
         raise RuntimeError("ring_attention needs a process group: call torch.distributed.init_process_group "
                            "first (torchrun sets up its environment)")
     world, rank, problem = dist.get_world_size(group), dist.get_rank(group), None
+    # (B, H, n, D, Dv, dtype, layout, is_causal, scale's bits in two halves): one length on every rank, and
+    # whatever the error, this rank still takes part in the all-reduce below
+    shard = [0] * 10
     try:
         q, k, v, _, scale = mt._attention_args(q, k, v, None, 0.0, scale, None)
         if q.size(-2) != k.size(-2):
             raise ValueError(f"q and k shards must be as long, got {q.size(-2)} and {k.size(-2)}")
         _check_ring_layout(q.size(-2) * world, world, layout)
-    except Exception as e:  # whatever it is, this rank must still take part in the all-reduce below
-        problem = str(e) if isinstance(e, (TypeError, ValueError)) else f"{type(e).__name__}: {e}"
-    if problem is None:  # (B, H, n, D, Dv, dtype, layout, is_causal, scale's bits): 9 int64 on every rank
-        scale_bits = struct.unpack("<q", struct.pack("<d", scale))[0]
+        bits = struct.unpack("<Q", struct.pack("<d", scale))[0]  # two halves of 32 bits: -x cannot overflow
         shard = [*q.shape, v.size(-1), _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1,
-                 RING_LAYOUTS.index(layout), int(bool(is_causal)), scale_bits]
-    else:
-        shard = [0] * 9
+                 RING_LAYOUTS.index(layout), int(bool(is_causal)), bits >> 32, bits & 0xFFFFFFFF]
+    except Exception as e:
+        problem = str(e) if isinstance(e, (TypeError, ValueError)) else f"{type(e).__name__}: {e}"
     refused = [int(r == rank and problem is not None) for r in range(world)]
     # max(x) and max(-x) = -min(x): all ranks agree where they meet. Pinned and non-blocking: no sync
     device = q.device if torch.is_tensor(q) else torch.device("cpu")
@@ -286,9 +295,13 @@ def _check_ring_args(q, k, v, is_causal, scale, group, layout):
             f"rank {r}: {problem if r == rank else 'see its own error'}" for r in refusing))
     if seen[:n] != [-x for x in seen[n:2 * n]]:
         low, high = [-x for x in seen[n:2 * n]], seen[:n]
-        names = ("B", "H", "n", "D", "Dv", "dtype", "layout", "is_causal", "scale")
-        differ = [f"{name} from {a} to {b}" if name != "scale" else "scale"
+        names = ("B", "H", "n", "D", "Dv", "dtype", "layout", "is_causal")
+        shown = {"dtype": lambda i: _DTYPES[i] if 0 <= i < len(_DTYPES) else "another dtype",
+                 "layout": RING_LAYOUTS.__getitem__}
+        differ = [f"{name} from {shown.get(name, int)(a)} to {shown.get(name, int)(b)}"
                   for name, a, b in zip(names, low, high) if a != b]
+        if low[8:] != high[8:]:
+            differ.append("scale")
         raise ValueError("ring_attention needs shards of one shape, dtype and layout, and one is_causal and "
                          f"scale, on every rank; across the ranks these differ: {', '.join(differ)}")
     return q, k, v, scale

@@ -429,21 +429,23 @@ def measure_point(spec):
     if spec["path"] == "ring":  # every rank must run the same number of ring calls
         reps = spec["min_repeats"] - 1
     times = [first] + [work.timed(step) for _ in range(reps)]
-    comm = _ring_wait_ms(work, step) if spec["path"] == "ring" else None
-    return {"kernel": kernel, "ms": 1e3 * statistics.median(times), "comm_ms": comm, "peak_mib": alloc.mib,
+    ms = 1e3 * statistics.median(times)
+    comm = None if spec["path"] != "ring" or work.device.type == "cuda" else ms * _ring_wait_share(work, step)
+    return {"kernel": kernel, "ms": ms, "comm_ms": comm, "peak_mib": alloc.mib,
             "rss_mib": rss}
 
 
-def _ring_wait_ms(work, step):
-    """Milliseconds one ring step spends waiting for K/V blocks (and their gradients) that compute did not
-    hide: the "ring_attention.wait" regions of ring_attention.py, read through the profiler. None on CUDA,
-    where NCCL's wait does not block the host."""
-    if work.device.type == "cuda":
-        return None
+def _ring_wait_share(work, step):
+    """The share of one ring step spent waiting for K/V blocks (and their gradients) that compute did not
+    hide: the "ring_attention.wait" regions of ring_attention.py over the step's own time, both from one
+    profiled call (the profiler slows the call, so its absolute times are not the timed ones). CPU only:
+    NCCL's wait does not block the host."""
     work.clear_grads()
+    t0 = time.perf_counter()
     with _Profiler() as prof:
         step()
-    return sum(e.cpu_time_total for e in prof.key_averages() if e.key == "ring_attention.wait") / 1e3
+    total_us = 1e6 * (time.perf_counter() - t0)
+    return min(1.0, sum(e.cpu_time_total for e in prof.key_averages() if e.key == "ring_attention.wait") / total_us)
 
 
 def measure_compare(spec):

@@ -1261,10 +1261,10 @@ def ring_errors_case(rank, world):
         except ValueError as e:
             messages.append(str(e))
     # a 3-D shard on rank 0 alone (the all-reduce keeps its length), and ranks that disagree on is_causal
-    for q, causal in ((torch.randn(2, 8, 8) if rank == 0 else torch.randn(1, 2, 8, 8), False),
-                      (torch.randn(1, 2, 8, 8), rank == 0)):
+    for q, causal, scale in ((torch.randn(2, 8, 8) if rank == 0 else torch.randn(1, 2, 8, 8), False, None),
+                             (torch.randn(1, 2, 8, 8), rank == 0, -0.0 if rank == 0 else 0.5)):
         try:
-            ring.ring_attention(q, q, q, is_causal=causal)
+            ring.ring_attention(q, q, q, is_causal=causal, scale=scale)
         except ValueError as e:
             messages.append(str(e))
     # what the ring does not do is refused on the rank that asks, before any message is sent
@@ -1277,7 +1277,9 @@ def ring_errors_case(rank, world):
                     lambda: mt.MultiHeadAttention(32, 2, impl=ring.ring_impl())(x, torch.ones(8, 8, dtype=torch.bool)),
                     lambda: ring.ShardedEncoder(mt.Encoder(mt.EncoderConfig(dropout=0.1, **cfg))),
                     lambda: ring.ShardedEncoder(mt.Encoder(mt.EncoderConfig(window_size=4, **cfg))),
-                    lambda: ring.ShardedEncoder(mt.Encoder(mt.EncoderConfig(**cfg)), layout="spiral")]
+                    lambda: ring.ShardedEncoder(mt.Encoder(mt.EncoderConfig(**cfg)), layout="spiral"),
+                    lambda: ring.ShardedEncoder(mt.Encoder(mt.EncoderConfig(**cfg))).attention_weights(
+                        torch.zeros(1, 8, dtype=torch.long))]
         for refused in refusals:
             try:
                 refused()
@@ -1363,16 +1365,17 @@ def test_ring_encoder_equals_the_unsharded_encoder_and_bad_input_is_refused(tmp_
         for errors in results[case]:
             assert max(errors) < 1e-10, (case, errors)
     for rank, messages in enumerate(results[("errors",)]):
-        assert len(messages) == 11  # every case raised on every rank: none left another waiting
+        assert len(messages) == 12  # every case raised on every rank: none left another waiting
         assert "ring_attention needs shards of one shape, dtype and layout" in messages[0] and "n from 6 to 8" in messages[0]
         assert f"rank {rank}: a zigzag layout cuts the sequence into 4 equal parts" in messages[1]
         assert "even" in messages[1] and all(f"rank {r}:" in messages[1] for r in range(2))
         assert "refused its input on rank 0:" in messages[2] and "rank 1" not in messages[2]
         assert ("a zigzag layout" in messages[2]) == (rank == 0)  # the rank at fault names its problem
         assert "refused its input on rank 0:" in messages[3] and ("q must be 4-D" in messages[3]) == (rank == 0)
-        assert "is_causal from 0 to 1" in messages[4]
+        assert "is_causal from 0 to 1, scale" in messages[4]
         assert "need_weights" in messages[5] and "no window_size" in messages[6] and "no attn_mask" in messages[7]
         assert "no dropout" in messages[8] and "window_size=4" in messages[9] and "layout must be one of" in messages[10]
+        assert "attention_weights needs the whole sequence" in messages[11]
     with pytest.raises(RuntimeError, match="ring_attention needs a process group"):
         ring.ring_attention(*(torch.randn(1, 2, 8, 8) for _ in range(3)))
 
