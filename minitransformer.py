@@ -838,9 +838,9 @@ class Encoder(nn.Module):
         super().__init__()
         self.config = c = config
         self.embed = nn.Embedding(c.vocab_size, c.d_model)
-        rope = RotaryEmbedding(c.d_model // c.n_heads, c.max_len) if c.pos_encoding == "rope" else None
+        rope = None
         if c.pos_encoding == "rope":  # rope acts in the attention: only dropout here
-            self.pos = nn.Dropout(c.dropout)
+            rope, self.pos = RotaryEmbedding(c.d_model // c.n_heads, c.max_len), nn.Dropout(c.dropout)
         else:
             learned = c.pos_encoding == "learned"
             pos = LearnedPositionalEncoding if learned else SinusoidalPositionalEncoding
@@ -873,7 +873,7 @@ class Encoder(nn.Module):
             raise ValueError(f"idx must be integer token ids (B, T), got {tuple(idx.shape)} {idx.dtype}")
         _check_range(idx, 0, self.config.vocab_size, "token ids")
         x = self.embed(idx) * math.sqrt(self.config.d_model)
-        return self.pos(x) if isinstance(self.pos, nn.Dropout) else self.pos(x, positions)
+        return self.pos(x) if self.config.pos_encoding == "rope" else self.pos(x, positions)
 
     def forward(self, idx, attn_mask=None, is_causal=False, positions=None):
         """positions: the (T,) positions of idx's tokens (default 0 .. T-1), as for a shard of a longer

@@ -166,8 +166,9 @@ def _ring_backward(dout, q, k, v, out, m, log2_l, is_causal, scale, group, layou
     arrived, sent, dkv_requests = None, None, []  # the visiting block's dK, dV from the ranks before
     for s in range(world):
         received, requests = _ring_pass(kv, group) if s < world - 1 else (None, [])
-        # this rank's share of the visiting block's dK, dV: (B, H, n, D), (B, H, n, Dv), float32 or wider
-        own = [torch.zeros_like(t, dtype=out.dtype) for t in kv] if steps[s] or arrived is None else arrived
+        # this rank's share of the visiting block's dK, dV: (B, H, n, D), (B, H, n, Dv), float32 or wider;
+        # a step that causality masks entirely (never step 0) adds nothing: what arrived goes on
+        own = [torch.zeros_like(t, dtype=out.dtype) for t in kv] if steps[s] else arrived
         for rows, cols, causal in steps[s]:
             q_s, k_s, v_s = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
             grads = dq[:, :, rows], own[0][:, :, cols], own[1][:, :, cols]
@@ -183,7 +184,6 @@ def _ring_backward(dout, q, k, v, out, m, log2_l, is_causal, scale, group, layou
         _wait(requests)
         kv = received or kv
     _wait(dkv_requests)  # home: this rank's own block's dK, dV
-    del sent
     return dq.mul_(scale).to(q.dtype), arrived[0].mul_(scale).to(k.dtype), arrived[1].to(v.dtype)
 
 

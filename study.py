@@ -290,13 +290,13 @@ class _AllocPeak:
     allocation and free (the profiler's memory events): tensors only, exact, no OS noise."""
 
     def __enter__(self):
-        self.prof = _Profiler(profile_memory=True)
-        self.prof.__enter__()
+        self.quiet = _Profiler(profile_memory=True)
+        self.prof = self.quiet.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self.prof.__exit__(*exc)
-        events = sorted((e.start_ns(), e.nbytes()) for e in self.prof.prof.profiler.kineto_results.events()
+        self.quiet.__exit__(*exc)
+        events = sorted((e.start_ns(), e.nbytes()) for e in self.prof.profiler.kineto_results.events()
                         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
         held = peak = 0
         for _, nbytes in events:  # frees come as negative sizes
