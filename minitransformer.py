@@ -23,6 +23,7 @@ The attention paths share the signature and conventions of F.scaled_dot_product_
   and only -inf masks a key; integer masks are refused, as SDPA refuses them;
 - is_causal: query i sees keys j <= i; with an attn_mask both apply (SDPA refuses the pair);
 - window_size=w: query i sees keys with |i - j| <= w (with is_causal: 0 <= i - j <= w);
+- cu_seqlens, packed documents (self-attention): query i sees only the keys of its own document;
 - a query whose keys are all masked gets a zero output and zero gradients, never NaN;
 - under autocast, float32 q, k, v are computed and returned in autocast's dtype, as by SDPA.
 In float16 and bfloat16 every path meets FlashAttention's rule: its error against float64 is at
@@ -32,6 +33,7 @@ forward or backward.
 """
 
 import argparse
+import bisect
 import contextlib
 import functools
 import gc
@@ -51,9 +53,9 @@ IMPLS = ("naive", "chunked", "flash")
 POS_ENCODINGS = ("sinusoidal", "learned", "rope")
 
 # -----------------------------------------------------------------------------
-# Masks: which keys a query sees. One visibility rule serves every path: naive and flash ask
-# mask_block for the whole score matrix, chunked for one block at a time, and chunked visits
-# only the key blocks that the rule leaves visible (_key_blocks).
+# Masks: which keys a query sees. One visibility rule (causality, window, documents, attn_mask)
+# serves every path: naive and flash ask mask_block for the whole score matrix, chunked for one
+# block at a time, and chunked visits only the key blocks that the rule leaves visible (_key_blocks).
 
 
 def causal_mask(Lq, Lk=None, device=None):
@@ -76,21 +78,44 @@ def padding_mask(lengths, max_len, device=None):
     return keep[:, None, None, :]  # (B, 1, 1, L)
 
 
-def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, device=None):
+def documents(cu_seqlens, L, device=None):
+    """Packed rows: the document of every position and its position inside it, two (L,) int64 tensors.
+
+    cu_seqlens: the CPU offsets [0, l_1, l_1 + l_2, ..., L] of a row's documents (FlashAttention's
+    varlen convention), empty ones allowed. Computed on the CPU, where cu_seqlens lives, and copied
+    to a GPU pinned and non-blocking, so that the host never waits.
+    """
+    _check_cu_seqlens(cu_seqlens, L)
+    doc = torch.bucketize(torch.arange(L), cu_seqlens[1:], right=True)  # offsets <= p past the first
+    both = torch.stack([doc, torch.arange(L) - cu_seqlens[doc]])  # (2, L)
+    if torch.device(device or "cpu").type == "cuda" and not torch.compiler.is_compiling():
+        both = both.pin_memory()
+    return both.to(device, non_blocking=True).unbind()
+
+
+def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, docs=None, offsets=None,
+               device=None):
     """The mask of scores[..., rows, cols] (rows, cols: slices of query and key positions).
 
     Returns a bool mask (True = keep), a float mask (added to the scores), or None (keep
-    every key), broadcastable to (B, H, rows, cols). Causality and the window are built from
-    positions, and only for a block that straddles the diagonal or the window's edge.
+    every key), broadcastable to (B, H, rows, cols). Causality, the window and documents are
+    built from positions, and only for a block that straddles the diagonal, the window's edge
+    or a document boundary. docs: the (L,) document of every position (documents()); offsets:
+    cu_seqlens as a list, where the host knows it, to tell the blocks inside one document.
     """
     q0, q1, k0, k1 = rows.start, rows.stop, cols.start, cols.stop
     causal = is_causal and k1 - 1 > q0  # some key lies after some query
     local = window_size is not None and (k1 - 1 - q0 > window_size or q1 - 1 - k0 > window_size)
-    keep = None
+    # a block inside one document needs no document mask: one needs it if min(q0, k0) < b < max(q1, k1)
+    # for some boundary b, or where the boundaries are not known on the host
+    cut = docs is not None and (offsets is None or bisect.bisect_right(offsets, min(q0, k0))
+                                < bisect.bisect_left(offsets, max(q1, k1)))
+    keep = docs[rows, None] == docs[None, cols] if cut else None  # (rows, cols): the same document
     if causal or local:
         i = torch.arange(q0, q1, device=device)[:, None]  # (rows, 1)
         j = torch.arange(k0, k1, device=device)[None, :]  # (1, cols)
-        keep = j <= i if causal else None
+        if causal:
+            keep = j <= i if keep is None else keep & (j <= i)
         if local:  # compared, never subtracted: i - j would be an int64 (rows, cols) temporary
             near = (j >= i - window_size) & (j <= i + window_size)
             keep = near if keep is None else keep & near
@@ -106,14 +131,18 @@ def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, devi
     return m & keep if m.dtype == torch.bool else m.masked_fill(~keep, float("-inf"))
 
 
-def _key_blocks(rows, Lk, ck, is_causal, window_size):
-    """Slices of the key blocks of size ck that queries `rows` can see: blocks that causality or the window
-    hide are never computed, and the visited range is cut to the visible keys."""
+def _key_blocks(rows, Lk, ck, is_causal, window_size, offsets=None):
+    """Slices of the key blocks of size ck that queries `rows` can see: blocks that causality, the window
+    or documents (offsets: cu_seqlens as a list) hide are never computed, and the visited range is cut
+    to the visible keys."""
     lo, hi = 0, Lk
     if is_causal:
         hi = min(hi, rows.stop)  # keys j <= i < rows.stop
     if window_size is not None:
         lo, hi = max(lo, rows.start - window_size), min(hi, rows.stop + window_size)
+    if offsets is not None:  # from the start of the first query's document to the end of the last's
+        lo = max(lo, offsets[bisect.bisect_right(offsets, rows.start) - 1])
+        hi = min(hi, offsets[bisect.bisect_left(offsets, rows.stop)])
     return [slice(k0, min(k0 + ck, hi)) for k0 in range(lo, hi, ck)]
 
 
@@ -166,17 +195,19 @@ def _sdpa_conventions(q, k, v, scale):
 # Path 1: naive attention, the textbook formula. It materialises the (Lq, Lk) scores.
 
 
-def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, window_size=None):
+def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, window_size=None,
+                    cu_seqlens=None):
     """Attention(Q, K, V) = softmax(Q K^T * scale + M) V,  scale = 1/sqrt(D) by default.
 
     Returns out (B, H, Lq, Dv) and the weights (B, H, Lq, Lk) it used, after dropout, so
     that out == weights @ v. Standard attention as it is written: computed in the inputs'
     dtype (softmax accumulates in float32 inside), a float mask added in float32 or wider.
     """
-    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
+    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
     Lq, Lk = q.size(-2), k.size(-2)
+    docs = None if cu_seqlens is None else documents(cu_seqlens, Lq, q.device)[0]
     mask = mask_block(attn_mask, slice(0, Lq), slice(0, Lk), is_causal=is_causal, window_size=window_size,
-                      device=q.device)
+                      docs=docs, device=q.device)
     dead = None
     if mask is not None:
         mask, dead = _reopen_dead_rows(mask)
@@ -215,7 +246,7 @@ def attend_block(q, k, v, rows, o, m, l, opts):
     that out = o / (l * (1 - p)) keeps the expectation. o (B, H, rows, Dv), m and l (B, H, rows, 1),
     float32 (float64 for float64), are updated in place; opts: block_options.
     """
-    for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size):
+    for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size, opts.offsets):
         s = _scores(q, k, rows, cols, opts)  # (B, H, cq, ck)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         # a row masked so far has m_new = -inf, and exp2(-inf - (-inf)) = NaN: the lowest
@@ -268,7 +299,7 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
     dout_i = dout[:, :, rows]  # (B, H, cq, Dv)
     m, log2_l = m[:, :, rows], log2_l[:, :, rows]  # (B, H, cq, 1)
     delta = (dout_i.to(m.dtype) * out[:, :, rows].to(m.dtype)).sum(-1, keepdim=True)  # rowsum(dO * O)
-    for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size):
+    for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size, opts.offsets):
         p = _scores(q, k, rows, cols, opts).sub_(m).sub_(log2_l).exp2_()  # P_j
         dp = _matmul(dout_i, v[:, :, cols].transpose(-2, -1))  # (B, H, cq, ck)
         p_dropped = p
@@ -304,18 +335,19 @@ def default_chunk_size(device):
 
 
 def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
-                      window_size=None, chunk_size=None):
+                      window_size=None, cu_seqlens=None, chunk_size=None):
     """softmax(Q K^T * scale + M) V, the same result as naive_attention, in O(L) memory.
 
     chunk_size: int or (query block, key block); None: default_chunk_size. Blocks that
-    is_causal or window_size hide are skipped. Gradients flow to q, k, v and to a float
-    attn_mask that requires grad. Dropout's seed is drawn from the device's generator.
+    is_causal, window_size or the documents of cu_seqlens hide are skipped. Gradients flow to
+    q, k, v and to a float attn_mask that requires grad. Dropout's seed is drawn from the
+    device's generator.
     """
-    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
+    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
     cq, ck = _chunks(default_chunk_size(q.device) if chunk_size is None else chunk_size)
     seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
-    out, _m, _log2_l = _chunked_fwd(q, k, v, attn_mask, seed, dropout_p, is_causal, scale, window_size,
-                                    cq, ck)  # m and log2(l): for the backward
+    out, _m, _log2_l = _chunked_fwd(q, k, v, attn_mask, seed, cu_seqlens, dropout_p, is_causal, scale,
+                                    window_size, cq, ck)  # m and log2(l): for the backward
     return out
 
 
@@ -335,11 +367,16 @@ class BlockOptions:
     dropout_p: float
     row_hash: Optional[torch.Tensor]  # dropout: hashes of the rows (b, h, i), (B, H, Lq, 1), int32
     col_hash: Optional[torch.Tensor]  # and of the key columns j, (Lk,)
+    docs: Optional[torch.Tensor] = None  # packed rows: the document of every position, (L,) (documents())
+    offsets: Optional[list] = None  # and their cu_seqlens, read on the host (a CPU tensor: no sync)
 
 
-def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck):
+def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens=None):
     hashes = _dropout_hashes(seed, *q.shape[:3], k.size(-2)) if dropout_p > 0.0 else (None, None)
-    return BlockOptions(scale, is_causal, window_size, ck, attn_mask, dropout_p, *hashes)
+    opts = BlockOptions(scale, is_causal, window_size, ck, attn_mask, dropout_p, *hashes)
+    if cu_seqlens is not None:
+        opts.docs, opts.offsets = documents(cu_seqlens, q.size(-2), q.device)[0], cu_seqlens.tolist()
+    return opts
 
 
 def _autocast_off(op):
@@ -355,56 +392,57 @@ def _autocast_off(op):
 @torch.library.custom_op("minitransformer::chunked_attention_fwd", mutates_args=())
 @_autocast_off
 def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
-                 seed: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
-                 window_size: Optional[int], cq: int, ck: int
+                 seed: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], dropout_p: float,
+                 is_causal: bool, scale: float, window_size: Optional[int], cq: int, ck: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """chunked_forward as an operator: out, m, log2(l)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # every block a view, never a copy
     return chunked_forward(q, k, v, block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale,
-                                                  window_size, ck), cq)
+                                                  window_size, ck, cu_seqlens), cq)
 
 
 @torch.library.custom_op("minitransformer::chunked_attention_bwd", mutates_args=())
 @_autocast_off
 def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  m: torch.Tensor, log2_l: torch.Tensor, attn_mask: Optional[torch.Tensor],
-                 seed: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
-                 window_size: Optional[int], cq: int, ck: int, mask_grad: bool
+                 seed: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], dropout_p: float,
+                 is_causal: bool, scale: float, window_size: Optional[int], cq: int, ck: int, mask_grad: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """chunked_backward as an operator: dq, dk, dv, and a float attn_mask's gradient when mask_grad
     (else an empty tensor)."""
     grads = [torch.zeros_like(t, dtype=m.dtype) for t in (q, k, v)]  # laid out as q, k, v (register_fake)
     dmask = torch.zeros_like(attn_mask, dtype=m.dtype) if mask_grad else None
     dout, q, k, v = dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous()
-    opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck)
+    opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens)
     dq, dk, dv = chunked_backward(dout, q, k, v, out, m, log2_l, *grads, dmask, opts, cq)
     return dq, dk, dv, dmask.to(attn_mask.dtype) if mask_grad else q.new_empty(0)
 
 
 @_chunked_fwd.register_fake
-def _(q, k, v, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck):
+def _(q, k, v, attn_mask, seed, cu_seqlens, dropout_p, is_causal, scale, window_size, cq, ck):
     stats = q.new_empty(*q.shape[:-1], 1, dtype=torch.promote_types(q.dtype, torch.float32))
     return q.new_empty(*q.shape[:-1], v.size(-1)), stats, torch.empty_like(stats)
 
 
 @_chunked_bwd.register_fake
-def _(dout, q, k, v, out, m, log2_l, attn_mask, seed, dropout_p, is_causal, scale, window_size, cq, ck,
-      mask_grad):
+def _(dout, q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens, dropout_p, is_causal, scale, window_size,
+      cq, ck, mask_grad):
     dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
 
 def _chunked_save(ctx, inputs, output):
-    q, k, v, attn_mask, seed, *options = inputs
-    ctx.save_for_backward(q, k, v, *output, attn_mask, seed)  # output: out, m, log2(l)
+    q, k, v, attn_mask, seed, cu_seqlens, *options = inputs
+    ctx.save_for_backward(q, k, v, *output, attn_mask, seed, cu_seqlens)  # output: out, m, log2(l)
     ctx.options = options  # dropout_p, is_causal, scale, window_size, cq, ck
 
 
 def _chunked_grad(ctx, dout, _dm, _dlog2_l):
-    q, k, v, out, m, log2_l, attn_mask, seed = ctx.saved_tensors
+    q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens = ctx.saved_tensors
     mask_grad = ctx.needs_input_grad[3]  # a float mask that requires grad: a learned bias (T5, ALiBi)
-    dq, dk, dv, dmask = _chunked_bwd(dout, q, k, v, out, m, log2_l, attn_mask, seed, *ctx.options, mask_grad)
-    return dq, dk, dv, dmask if mask_grad else None, None, None, None, None, None, None, None
+    dq, dk, dv, dmask = _chunked_bwd(dout, q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens, *ctx.options,
+                                     mask_grad)
+    return dq, dk, dv, dmask if mask_grad else None, *[None] * 8
 
 
 _chunked_fwd.register_autograd(_chunked_grad, setup_context=_chunked_save)
@@ -437,7 +475,7 @@ def _scores(q, k, rows, cols, opts):
     recomputes it. A float mask's block goes to base 2 here, in that dtype, clamped to its finite range."""
     s = _matmul(q[:, :, rows], k[:, :, cols].transpose(-2, -1), alpha=opts.scale * LOG2E)
     mask = mask_block(opts.mask, rows, cols, is_causal=opts.is_causal, window_size=opts.window_size,
-                      device=q.device)
+                      docs=opts.docs, offsets=opts.offsets, device=q.device)
     if mask is not None and mask.is_floating_point():
         mask = _finite_bias(mask, s.dtype, LOG2E)
     return _apply_mask(s, mask)
@@ -499,18 +537,19 @@ _KERNEL_NAMES = {int(backend): name for name, backend in _KERNELS.items()}
 
 
 def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
-                    window_size=None, on_math="warn"):
+                    window_size=None, cu_seqlens=None, on_math="warn"):
     """softmax(Q K^T * scale + M) V by F.scaled_dot_product_attention's fused kernels.
 
     When no fused kernel accepts the inputs (dropout on a CPU, say), on_math decides: "warn"
-    and run the math kernel, "raise" a RuntimeError, or "allow". A mask or window is passed
-    as an (.., Lq, Lk) mask; pure is_causal as the kernel's flag. Under torch.compile, and
+    and run the math kernel, "raise" a RuntimeError, or "allow". A mask, window or documents
+    reach SDPA as one (.., Lq, Lk) mask; pure is_causal as the kernel's flag. Under torch.compile, and
     where torch cannot report its kernel (MPS, XPU), SDPA runs unchecked.
     """
     if on_math not in ("warn", "raise", "allow"):
         raise ValueError(f"on_math must be 'warn', 'raise' or 'allow', got {on_math!r}")
-    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
-    mask, causal, dead, kernel = _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size)
+    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
+    mask, causal, dead, kernel = _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size,
+                                            cu_seqlens)
     if kernel == "math" and on_math != "allow":
         why = (f"no fused SDPA kernel accepts these inputs (device={q.device.type}, dtype={q.dtype}, "
                f"dropout_p={dropout_p}, mask={None if mask is None else mask.dtype}, head dim={q.size(-1)}); "
@@ -523,13 +562,14 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     return out if dead is None else out.masked_fill(dead, 0.0)
 
 
-def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size):
+def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens):
     """(mask, is_causal, dead, kernel): the mask and flag exactly as SDPA gets them, the rows to zero
     after it, and the kernel that runs on them ('unknown' under torch.compile, which picks its own)."""
     mask, dead = None, None
-    if attn_mask is not None or window_size is not None:  # pure causality stays the kernel's flag
+    docs = None if cu_seqlens is None else documents(cu_seqlens, q.size(-2), q.device)[0]
+    if attn_mask is not None or window_size is not None or docs is not None:  # pure causality: the flag
         mask = mask_block(attn_mask, slice(0, q.size(-2)), slice(0, k.size(-2)), is_causal=is_causal,
-                          window_size=window_size, device=q.device)
+                          window_size=window_size, docs=docs, device=q.device)
         is_causal = False
     float_mask = mask is not None and mask.is_floating_point()
     if float_mask and mask.dtype not in (q.dtype, torch.float32):  # a dtype SDPA takes, the wider kept
@@ -570,25 +610,26 @@ def _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale):
 
 
 def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
-                     window_size=None):
+                     window_size=None, cu_seqlens=None):
     """Which SDPA kernel flash_attention would run for these inputs (see _chosen_kernel)."""
-    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size)
-    return _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size)[3]
+    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
+    return _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens)[3]
 
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, impl="flash",
-              window_size=None, chunk_size=None):
-    """Attention through impl: one of IMPLS, or a function with SDPA's arguments and window_size= (as
-    ring_attention.ring_impl makes). q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv)."""
+              window_size=None, cu_seqlens=None, chunk_size=None):
+    """Attention through impl: one of IMPLS, or a function with SDPA's arguments, window_size= and
+    cu_seqlens= (as ring_attention.ring_impl makes). q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv)
+    -> (B, H, Lq, Dv)."""
+    kw = dict(window_size=window_size, cu_seqlens=cu_seqlens)
     if callable(impl):
-        return impl(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size=window_size)
+        return impl(q, k, v, attn_mask, dropout_p, is_causal, scale, **kw)
     if impl == "naive":
-        return naive_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size=window_size)[0]
+        return naive_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, **kw)[0]
     if impl == "chunked":
-        return chunked_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size=window_size,
-                                 chunk_size=chunk_size)
+        return chunked_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, chunk_size=chunk_size, **kw)
     if impl == "flash":
-        return flash_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size=window_size)
+        return flash_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, **kw)
     raise ValueError(f"impl must be one of {IMPLS} or a function, got {impl!r}")
 
 
@@ -602,7 +643,8 @@ class MultiHeadAttention(nn.Module):
     x: (B, T, C) with C = d_model, batch first. The three input projections are one
     C -> 3C linear layer, its weight laid out as nn.MultiheadAttention's in_proj_weight.
     impl: one of IMPLS, or an attention function (see attention()). rope: an optional
-    RotaryEmbedding applied to q and k of every head, at `positions` (default 0 .. T-1).
+    RotaryEmbedding applied to q and k of every head, at `positions` (default 0 .. T-1, restarting
+    in every document of cu_seqlens: the packed documents of every row, see documents()).
     """
 
     def __init__(self, d_model, n_heads, dropout=0.0, bias=True, impl="flash", *, chunk_size=None,
@@ -620,7 +662,7 @@ class MultiHeadAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
 
-    def forward(self, x, attn_mask=None, is_causal=False, need_weights=False, positions=None):
+    def forward(self, x, attn_mask=None, is_causal=False, need_weights=False, positions=None, cu_seqlens=None):
         if x.dim() != 3 or x.size(-1) != self.d_model:
             raise ValueError(f"expected x of shape (B, T, {self.d_model}), got {tuple(x.shape)}")
         B, T, C = x.size()
@@ -630,16 +672,19 @@ class MultiHeadAttention(nn.Module):
         k = k.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         if self.rope is not None:
+            if positions is None and cu_seqlens is not None:
+                positions = documents(cu_seqlens, T, x.device)[1]
             q, k = self.rope(q, positions), self.rope(k, positions)
         p = self.dropout if self.training else 0.0
         if need_weights:  # only the naive path materialises the weights
             if callable(self.impl):
                 raise ValueError("need_weights computes the weights by naive attention on this module's own "
                                  "q, k, v: not with an attention function as impl (a ring sees a shard only)")
-            y, weights = naive_attention(q, k, v, attn_mask, p, is_causal, window_size=self.window_size)
+            y, weights = naive_attention(q, k, v, attn_mask, p, is_causal, window_size=self.window_size,
+                                         cu_seqlens=cu_seqlens)
         else:
             y = attention(q, k, v, attn_mask, p, is_causal, impl=self.impl, window_size=self.window_size,
-                          chunk_size=self.chunk_size)
+                          cu_seqlens=cu_seqlens, chunk_size=self.chunk_size)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
         y = self.proj(y)
         return (y, weights) if need_weights else y  # weights: (B, nh, T, T)
@@ -760,20 +805,20 @@ class EncoderLayer(nn.Module):
         self.activation = _ACTIVATIONS[activation]
         self.norm_first = norm_first
 
-    def _sa(self, x, attn_mask, is_causal, positions):
-        return self.dropout1(self.self_attn(x, attn_mask, is_causal, positions=positions))
+    def _sa(self, x, attn_mask, is_causal, positions, cu_seqlens):
+        return self.dropout1(self.self_attn(x, attn_mask, is_causal, positions=positions, cu_seqlens=cu_seqlens))
 
     def _ff(self, x):
         return self.dropout2(self.linear2(self.dropout(self.activation(self.linear1(x)))))
 
-    def forward(self, x, attn_mask=None, is_causal=False, positions=None):
+    def forward(self, x, attn_mask=None, is_causal=False, positions=None, cu_seqlens=None):
         d_model = self.linear1.in_features
         if x.dim() != 3 or x.size(-1) != d_model:  # before LayerNorm, whose own error is less clear
             raise ValueError(f"expected x of shape (B, T, {d_model}), got {tuple(x.shape)}")
         if self.norm_first:
-            x = x + self._sa(self.norm1(x), attn_mask, is_causal, positions)
+            x = x + self._sa(self.norm1(x), attn_mask, is_causal, positions, cu_seqlens)
             return x + self._ff(self.norm2(x))
-        x = self.norm1(x + self._sa(x, attn_mask, is_causal, positions))
+        x = self.norm1(x + self._sa(x, attn_mask, is_causal, positions, cu_seqlens))
         return self.norm2(x + self._ff(x))
 
     @classmethod
@@ -875,12 +920,15 @@ class Encoder(nn.Module):
         x = self.embed(idx) * math.sqrt(self.config.d_model)
         return self.pos(x) if self.config.pos_encoding == "rope" else self.pos(x, positions)
 
-    def forward(self, idx, attn_mask=None, is_causal=False, positions=None):
+    def forward(self, idx, attn_mask=None, is_causal=False, positions=None, cu_seqlens=None):
         """positions: the (T,) positions of idx's tokens (default 0 .. T-1), as for a shard of a longer
-        sequence (ring_attention.ShardedEncoder)."""
+        sequence (ring_attention.ShardedEncoder). cu_seqlens: every row packs these documents (see
+        documents()); each is encoded as if alone, its positions restarting at 0."""
+        if cu_seqlens is not None and positions is None:
+            positions = documents(cu_seqlens, idx.size(-1), idx.device)[1]
         x = self._embed(idx, positions)  # (B, T, d_model)
         for layer in self.layers:
-            x = layer(x, attn_mask, is_causal, positions)
+            x = layer(x, attn_mask, is_causal, positions, cu_seqlens)
         return self.norm(x)
 
     def attention_weights(self, idx, attn_mask=None, is_causal=False, layer=-1):
@@ -904,8 +952,8 @@ class TokenClassifier(nn.Module):
         nn.init.normal_(self.head.weight, std=0.02)
         nn.init.zeros_(self.head.bias)
 
-    def forward(self, idx, attn_mask=None):
-        return self.head(self.encoder(idx, attn_mask))
+    def forward(self, idx, attn_mask=None, cu_seqlens=None):
+        return self.head(self.encoder(idx, attn_mask, cu_seqlens=cu_seqlens))
 
 
 # -----------------------------------------------------------------------------
@@ -929,6 +977,30 @@ def reverse_batch(B, min_len, max_len, vocab_size, gen):
     y = torch.gather(x, 1, src)
     real = pos[None, :] < lengths[:, None]  # (B, T)
     return x.masked_fill(~real, PAD), y.masked_fill(~real, PAD), lengths
+
+
+def packed_reverse_batch(B, min_len, max_len, vocab_size, gen, host_gen):
+    """The reversal task packed (--pack): each row of max_len tokens holds whole sequences side by side,
+    each reversed in place, and all B rows share their boundaries, cu_seqlens (see documents()).
+
+    Lengths are drawn as reverse_batch draws them, on the host (host_gen), while they fit; the rest
+    of the row is one more sequence if it is at least min_len long, else padding. cu_seqlens is
+    filled up with empty documents to max_len // min_len + 2 entries: no shape changes from step to
+    step. Returns x, y (B, max_len) on gen's device and cu_seqlens (int32, CPU).
+    """
+    offsets = [0]
+    while True:
+        length = int(torch.randint(min_len, max_len + 1, (), generator=host_gen))
+        if offsets[-1] + length > max_len:
+            break
+        offsets.append(offsets[-1] + length)
+    real = max_len if max_len - offsets[-1] >= min_len else offsets[-1]  # the rest: a sequence, or padding
+    offsets += [max_len] * (max_len // min_len + 2 - len(offsets))
+    src = torch.cat([torch.arange(end - 1, start - 1, -1, device=gen.device)  # (T,): position output i reads
+                     for start, end in zip(offsets, offsets[1:])])
+    x = torch.randint(1, vocab_size, (B, max_len), generator=gen, device=gen.device)
+    x[:, real:] = PAD
+    return x, x[:, src], torch.tensor(offsets, dtype=torch.int32)
 
 
 def _arg(default, text, **kw):
@@ -961,6 +1033,7 @@ class TrainConfig:
     vocab_size: int = _arg(32, "task vocabulary, padding included")
     min_len: int = _arg(4, "shortest task sequence")
     max_len: int = _arg(32, "longest task sequence (sequences are padded to it)")
+    pack: bool = _arg(False, "pack sequences side by side into rows of --max-len, none padded (cu_seqlens)")
     eval_size: int = _arg(2000, "held-out sequences, drawn from a stream training never sees")
     device: str = _arg("auto", "auto, cpu, cuda or cuda:N")
     seed: int = _arg(0, "seed of the model, the data and dropout")
@@ -1214,14 +1287,14 @@ def _train(cfg, device, rank, world, say):
         torch.manual_seed(cfg.seed + 1 + rank)  # dropout differs per rank, as the data does
     ddp = model
     if world > 1:
-        ids = None if device.index is None else [device.index]
-        ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        # no device_ids: DDP would then copy every input to the GPU, cu_seqlens too, which stays on the CPU
+        ddp = nn.parallel.DistributedDataParallel(model)
     if cfg.compile_model:  # the training forward and backward; evaluation and checkpoints use `model` itself
         ddp = torch.compile(ddp)
     held_out = reverse_batch(cfg.eval_size, cfg.min_len, cfg.max_len, mcfg.vocab_size,
                              torch.Generator(device).manual_seed(2**40 + cfg.seed))  # never drawn by training
     say(f"model: {model.encoder.num_params():,} parameters in the encoder; {mcfg}")
-    say(f"training on {device} x {world} process(es), amp={cfg.amp}, impl={mcfg.impl}, "
+    say(f"training on {device} x {world} process(es), amp={cfg.amp}, impl={mcfg.impl}, pack={cfg.pack}, "
         f"compile={cfg.compile_model}, steps {start}..{cfg.steps}")
 
     last = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
@@ -1234,10 +1307,17 @@ def _train(cfg, device, rank, world, say):
     for step in range(start, last):
         # the batch is a function of (seed, rank, step) alone: resuming needs no data-loader state,
         # and it is made on the device: no host-to-device copy per step
-        gen = torch.Generator(device).manual_seed((cfg.seed * 1_000_003 + step) * 1009 + rank)
-        x, y, lengths = reverse_batch(cfg.batch_size, cfg.min_len, cfg.max_len, mcfg.vocab_size, gen)
+        batch_seed = (cfg.seed * 1_000_003 + step) * 1009 + rank
+        gen = torch.Generator(device).manual_seed(batch_seed)
+        if cfg.pack:  # documents drawn on the host, where the chunked path reads their boundaries
+            x, y, cu_seqlens = packed_reverse_batch(cfg.batch_size, cfg.min_len, cfg.max_len, mcfg.vocab_size,
+                                                    gen, torch.Generator().manual_seed(batch_seed))
+            mask = None
+        else:
+            x, y, lengths = reverse_batch(cfg.batch_size, cfg.min_len, cfg.max_len, mcfg.vocab_size, gen)
+            mask, cu_seqlens = padding_mask(lengths, x.size(1)), None
         with amp_ctx():
-            logits = ddp(x, padding_mask(lengths, x.size(1)))
+            logits = ddp(x, mask, cu_seqlens)
             # (B*T, vocab) against (B*T,); the loss in float32 even under autocast
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1), ignore_index=PAD,
                                    label_smoothing=cfg.label_smoothing)
@@ -1249,7 +1329,7 @@ def _train(cfg, device, rank, world, say):
             bad_step, bad = torch.where(new_bad, step + 1, bad_step), torch.where(new_bad, values, bad)
         skipped += ~stepped
         scheduler.step()
-        tokens += lengths.sum() * world
+        tokens += (y != PAD).sum() * world  # real tokens
         done = step + 1
         logging = done % cfg.log_every == 0 or done == last
         evaluating = done % cfg.eval_every == 0 or done == last  # rank 0 evaluates; every rank checks for NaN
@@ -1344,7 +1424,7 @@ def parse_args(argv=None):
 # algorithms' way
 
 
-def _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size):
+def _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens=None):
     """The arguments every path takes, checked, then as SDPA takes them (_sdpa_conventions):
     (q, k, v, attn_mask ready for mask_block, scale)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -1365,6 +1445,11 @@ def _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size):
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
     if window_size is not None and (not isinstance(window_size, int) or window_size < 0):
         raise ValueError(f"window_size must be a non-negative int or None, got {window_size!r}")
+    if cu_seqlens is not None:
+        if q.size(-2) != k.size(-2):
+            raise ValueError(f"cu_seqlens packs documents for self-attention: Lq must equal Lk, got "
+                             f"{q.size(-2)} and {k.size(-2)}")
+        _check_cu_seqlens(cu_seqlens, q.size(-2))
     q, k, v, scale = _sdpa_conventions(q, k, v, scale)
     return q, k, v, _check_mask(attn_mask, q, k), scale
 
@@ -1387,6 +1472,25 @@ def _check_mask(attn_mask, q, k):
     if attn_mask.dim() < 2:  # (Lk,) or (): one row for every query, as broadcasting reads it
         attn_mask = attn_mask.expand(1, k.size(2))
     return attn_mask
+
+
+def _check_cu_seqlens(cu_seqlens, L):
+    """cu_seqlens as FlashAttention's varlen API takes it, or a clear error. It lives on the CPU (the
+    chunked path reads it to choose its blocks), so reading it never waits for a device."""
+    t = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else None
+    if t is None or t.device.type != "cpu" or t.dim() != 1 or t.numel() < 2 \
+            or t.dtype not in (torch.int32, torch.int64):
+        got = type(cu_seqlens).__name__ if t is None else f"shape {tuple(t.shape)} {t.dtype} on {t.device}"
+        raise ValueError(f"cu_seqlens must be a 1-D int32 or int64 CPU tensor [0, l_1, l_1 + l_2, ..., L], "
+                         f"got {got}")
+    why = f"cu_seqlens must start at 0, never decrease and end at the sequence length {L}"
+    if torch.compiler.is_compiling():
+        ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == L) & (cu_seqlens[1:] >= cu_seqlens[:-1]).all()
+        torch._assert_async(ok, why)
+        return
+    c = cu_seqlens.tolist()
+    if c[0] != 0 or c[-1] != L or any(a > b for a, b in zip(c, c[1:])):
+        raise ValueError(f"{why}, got {c}")
 
 
 def _no_autocast(q):

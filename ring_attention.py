@@ -193,15 +193,15 @@ def _ring_backward(dout, q, k, v, out, m, log2_l, is_causal, scale, group, layou
 
 def ring_impl(group=None, layout="contiguous"):
     """ring_attention as a MultiHeadAttention impl (minitransformer.attention's impl=): it refuses
-    what the ring does not do, a mask, dropout and a window, with a clear error."""
+    what the ring does not do, a mask, dropout, a window and packed documents, with a clear error."""
     return functools.partial(_ring_impl, group=group, layout=layout)
 
 
-def _ring_impl(q, k, v, attn_mask, dropout_p, is_causal, scale, *, window_size, group, layout):
-    if attn_mask is not None or dropout_p > 0.0 or window_size is not None:
-        raise ValueError(f"ring attention takes no attn_mask, no dropout and no window_size, got attn_mask="
-                         f"{None if attn_mask is None else tuple(attn_mask.shape)}, dropout_p={dropout_p}, "
-                         f"window_size={window_size}")
+def _ring_impl(q, k, v, attn_mask, dropout_p, is_causal, scale, *, window_size, cu_seqlens=None, group, layout):
+    if attn_mask is not None or dropout_p > 0.0 or window_size is not None or cu_seqlens is not None:
+        raise ValueError(f"ring attention takes no attn_mask, no dropout, no window_size and no cu_seqlens, got "
+                         f"attn_mask={None if attn_mask is None else tuple(attn_mask.shape)}, dropout_p={dropout_p}, "
+                         f"window_size={window_size}, cu_seqlens={cu_seqlens}")
     return ring_attention(q, k, v, is_causal=is_causal, scale=scale, group=group, layout=layout)
 
 

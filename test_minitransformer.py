@@ -659,8 +659,8 @@ def test_chunked_products_take_their_operands_in_the_input_dtype(dtype):
     options = (0.2, True, 0.37, 20, 16, 8)  # dropout_p, is_causal, scale, window_size, cq, ck
     seed = torch.tensor(7, dtype=torch.int32)
     with Products() as mode:  # the ops' own Python bodies, so that the mode sees inside them
-        out, row_max, log2_sum = mt._chunked_fwd._init_fn(q, k, v, bias, seed, *options)
-        mt._chunked_bwd._init_fn(dout, q, k, v, out, row_max, log2_sum, bias, seed, *options, True)
+        out, row_max, log2_sum = mt._chunked_fwd._init_fn(q, k, v, bias, seed, None, *options)
+        mt._chunked_bwd._init_fn(dout, q, k, v, out, row_max, log2_sum, bias, seed, None, *options, True)
     # by hand: query blocks [0, 16), [16, 32), [32, 37), causal with a window of 20, key blocks of 8 from the
     # first visible key: keys [0, 16) in 2 blocks, [0, 29) in 4, [12, 29) in 3 ([12, 20), [20, 28), [28, 29))
     blocks = 2 + 4 + 3
@@ -691,8 +691,8 @@ def test_cuda_chunked_products_run_on_tensor_cores(dtype):
     q, k, v, dout = (torch.randn(2, 3, 300, 64, device="cuda", dtype=dtype) for _ in range(4))
     options = (0.0, True, 0.125, None, 128, 128)
     with Products() as mode:
-        out, row_max, log2_sum = mt._chunked_fwd._init_fn(q, k, v, None, None, *options)
-        mt._chunked_bwd._init_fn(dout, q, k, v, out, row_max, log2_sum, None, None, *options, False)
+        out, row_max, log2_sum = mt._chunked_fwd._init_fn(q, k, v, None, None, None, *options)
+        mt._chunked_bwd._init_fn(dout, q, k, v, out, row_max, log2_sum, None, None, None, *options, False)
     blocks = 1 + 2 + 3  # by hand: causal query blocks [0, 128), [128, 256), [256, 300) see 1, 2 and 3 key blocks
     assert len(mode.seen) == 7 * blocks
     assert all(name == "aten.bmm.dtype" and dtypes == [dtype, dtype] for name, dtypes in mode.seen), mode.seen
@@ -720,6 +720,155 @@ def test_mask_helpers():
     assert pad[:, 0, 0].tolist() == [[True, True, False], [False, False, False], [True, True, True]]
     with pytest.raises(ValueError, match="lengths"):
         mt.padding_mask(torch.tensor([4]), 3)
+
+
+# ----------------------------------------------------------------------------- packed documents (cu_seqlens)
+# Oracles: SDPA's math kernel in float64 with a block-diagonal mask the test builds, each document's
+# attention computed alone, and the encoder run on each document alone.
+
+PACKED = [(70, [0, 10, 10, 33, 70]), (45, [0, 45]), (50, [0, 1, 2, 49, 50]), (45, [0, 0, 45, 45])]  # empty ones too
+
+
+def block_diagonal(cu_seqlens):
+    """(L, L) bool, True where query i and key j lie in the same document: by the test's own loop."""
+    L = cu_seqlens[-1]
+    keep = torch.zeros(L, L, dtype=torch.bool)
+    for start, end in zip(cu_seqlens, cu_seqlens[1:]):
+        keep[start:end, start:end] = True
+    return keep
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("L,cu", PACKED)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mask_kind", ["none", "pad", "float", "window"])
+def test_packed_documents_match_sdpa_float64(impl, L, cu, causal, mask_kind):
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 3, L, L, 8, Dv=4))
+    keep = block_diagonal(cu) & (torch.ones(L, L, dtype=torch.bool).tril() if causal else True)
+    kw, bias = {"is_causal": causal, "cu_seqlens": torch.tensor(cu)}, None
+    if mask_kind == "pad":
+        kw["attn_mask"] = mt.padding_mask(torch.tensor([L - 7, L]), L)
+        keep = keep & kw["attn_mask"]
+    elif mask_kind == "float":
+        kw["attn_mask"] = bias = torch.randn(L, L, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    elif mask_kind == "window":
+        kw["window_size"] = 6
+        i = torch.arange(L)
+        keep = keep & ((i[:, None] - i[None, :]).abs() <= 6)
+    dout = torch.randn(2, 3, L, 4, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    want = grads_of(lambda q, k, v: reference(q, k, v, keep, None if bias is None else bias.masked_fill(~keep, -math.inf)),
+                    q, k, v, dout)
+    got = grads_of(lambda q, k, v: run_path(impl, q, k, v, chunk_size=(16, 8), **kw), q, k, v, dout)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_row_is_each_document_attended_alone(impl, causal):
+    cu = [0, 13, 13, 40, 41, 64]
+    q, k, v = make_qkv(2, 2, 64, 64, 8)
+    got = run_path(impl, q, k, v, is_causal=causal, cu_seqlens=torch.tensor(cu), chunk_size=(8, 8))
+    alone = [run_path(impl, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=causal)
+             for a, b in zip(cu, cu[1:]) if b > a]
+    torch.testing.assert_close(got, torch.cat(alone, dim=2), atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("pos_encoding", ["sinusoidal", "learned", "rope"])
+def test_packed_encoder_gives_each_document_its_own_encoding(impl, pos_encoding):
+    # positions restart at 0 in every document: a packed row is each document encoded alone, side by side
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = mt.Encoder(mt.EncoderConfig(impl=impl, pos_encoding=pos_encoding, chunk_size=8, **TINY)).eval()
+        cu = [0, 9, 9, 30, 31]
+        idx = torch.randint(0, 16, (2, 31))
+        got = model(idx, cu_seqlens=torch.tensor(cu))
+        alone = torch.cat([model(idx[:, a:b]) for a, b in zip(cu, cu[1:]) if b > a], dim=1)
+    torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)
+    assert (got[:, 9:] - model(idx)[:, 9:]).abs().max() > 1e-2  # packing changes what the documents see
+
+
+def test_packed_chunked_gradcheck():
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 15, 15, 6))
+    for causal in (False, True):
+        f = lambda q, k, v: mt.chunked_attention(q, k, v, is_causal=causal, cu_seqlens=torch.tensor([0, 4, 4, 11, 15]),
+                                                 chunk_size=(4, 3))
+        assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_packed_chunked_visits_only_the_blocks_documents_leave_visible(monkeypatch):
+    # L = 64 in blocks of 16, documents [0, 20) and [20, 64). By hand, the key blocks each query block visits:
+    # rows [0, 16): keys [0, 20) in 2 blocks; [16, 32): both documents, keys [0, 64) in 4; [32, 48) and [48, 64):
+    # keys [20, 64) in 3 each: 12 of 16. A document mask is built only for a block that the boundary cuts: the 4
+    # of rows [16, 32); not the 2 inside the first document, nor the 6 inside the second. Causal: [0, 16) sees
+    # keys [0, 16) (1 block), [16, 32) keys [0, 32) (2), [32, 48) keys [20, 48) (2), [48, 64) keys [20, 64) (3):
+    # 8 blocks, of which only rows [48, 64) x keys [20, 36) lies inside one document and below the diagonal.
+    scored, scores = [], mt._scores
+
+    def counting(q, k, rows, cols, opts):
+        mask = mt.mask_block(opts.mask, rows, cols, is_causal=opts.is_causal, window_size=opts.window_size,
+                             docs=opts.docs, offsets=opts.offsets)
+        scored.append((rows.start, cols.start, cols.stop, mask is not None))
+        return scores(q, k, rows, cols, opts)
+    monkeypatch.setattr(mt, "_scores", counting)
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 1, 64, 64, 4))
+    for causal, blocks, masked in ((False, 12, 4), (True, 8, 7)):
+        scored.clear()
+        mt.chunked_attention(q, k, v, is_causal=causal, cu_seqlens=torch.tensor([0, 20, 64]), chunk_size=16).sum().backward()
+        assert len(scored) == 2 * blocks  # the forward, then the backward recomputing each
+        assert sum(m for *_, m in scored) == 2 * masked, scored
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+def test_packed_dropout_stays_inside_documents(impl):
+    # whatever dropout keeps, a document's output depends on its own keys and values only
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 2, 40, 40, 8))
+    cu = torch.tensor([0, 17, 40])
+    torch.manual_seed(0)
+    out = run_path(impl, q, k, v, dropout_p=0.3, cu_seqlens=cu, chunk_size=(8, 8))
+    gk, gv = torch.autograd.grad(out[:, :, :17].sum(), (k, v))
+    assert (gk[:, :, 17:] == 0).all() and (gv[:, :, 17:] == 0).all() and (gv[:, :, :17] != 0).any()
+    assert (out - run_path(impl, q, k, v, cu_seqlens=cu)).abs().max() > 0.1  # dropout did act
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+def test_bad_cu_seqlens_are_refused_by_name(impl):
+    q, k, v = make_qkv(1, 2, 8, 8, 16)
+    bad = [(torch.tensor([[0, 8]]), "1-D int32 or int64"), (torch.tensor([0.0, 8.0]), "1-D int32 or int64"),
+           (torch.tensor([8]), "1-D int32 or int64"), (torch.tensor([1, 8]), r"start at 0.*got \[1, 8\]"),
+           (torch.tensor([0, 5, 3, 8]), "never decrease"), (torch.tensor([0, 4, 7]), "end at the sequence length 8"),
+           (torch.tensor([0, 8], device="meta"), "CPU tensor.*on meta"), ([0, 8], "CPU tensor.*got list")]
+    for cu, message in bad:
+        with pytest.raises(ValueError, match=message):
+            run_path(impl, q, k, v, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="self-attention: Lq must equal Lk, got 8 and 5"):
+        run_path(impl, q, k[:, :, :5], v[:, :, :5], cu_seqlens=torch.tensor([0, 5]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = mt.Encoder(mt.EncoderConfig(impl=impl, **TINY))
+    with pytest.raises(ValueError, match="end at the sequence length 8"):
+        model(torch.randint(0, 16, (2, 8)), cu_seqlens=torch.tensor([0, 4, 9]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_documents_meet_the_precision_rule(dtype, causal):
+    # FlashAttention's rule with documents: against float64, at most 2x the error of standard attention in dtype
+    g = torch.Generator().manual_seed(0)
+    n, cu = 512, [0, 100, 300, 301, 512]
+    q, k = (torch.randn(1, 2, n, 64, generator=g, dtype=torch.float64) * 3 ** 0.5 for _ in range(2))
+    v, dout = (torch.randn(1, 2, n, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    keep = block_diagonal(cu) & (torch.ones(n, n, dtype=torch.bool).tril() if causal else True)
+    ref = grads_of(lambda q, k, v: reference(q, k, v, keep), q, k, v, dout)
+    low = [t.to(dtype) for t in (q, k, v, dout)]
+    std = grads_of(lambda q, k, v: standard_attention(q, k, v, keep), *low)
+    for impl in ("chunked", "flash"):
+        ours = grads_of(lambda q, k, v: run_path(impl, q, k, v, is_causal=causal, cu_seqlens=torch.tensor(cu)), *low)
+        for name, x, s_, r in zip(("out", "dq", "dk", "dv"), ours, std, ref):
+            err, std_err = (x.double() - r).abs().max().item(), (s_.double() - r).abs().max().item()
+            assert x.dtype == dtype and err <= 2 * std_err + 1e-5, f"{impl} {name}: {err:.3g} > 2 x {std_err:.3g}"
 
 
 # ----------------------------------------------------------------------------- modules
@@ -972,12 +1121,13 @@ COMPILE_MASKS = {"pad": {}, "causal": {"is_causal": True}, "causal+pad": {"is_ca
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
 
 
-def host_reads(fn, ignore_under=()):
+def host_reads(fn, ignore_under=(), cpu_inputs=()):
     """Every read of a tensor value on the host during fn(), as (what, the functions on the stack): Python's
     .item(), .tolist(), bool(), int(), float(), an index, .cpu(), .numpy() (wrapped on torch.Tensor for the call)
     and C++'s aten::_local_scalar_dense (the profiler). On a GPU each would make the host wait for the device.
     Left out: reads inside minitransformer's _check_range, whose CPU branch reads on purpose (a CPU has no device
-    to wait for; elsewhere it is a device-side assert), and C++ reads under the ops named in `ignore_under`."""
+    to wait for; elsewhere it is a device-side assert), C++ reads under the ops named in `ignore_under`, and
+    reads of the tensors in `cpu_inputs` themselves: cu_seqlens, which lives on the CPU by contract."""
     reads, originals = [], {name: getattr(torch.Tensor, name) for name in HOST_READS}
 
     def wrapped(name, original):
@@ -986,7 +1136,7 @@ def host_reads(fn, ignore_under=()):
             while frame is not None and len(stack) < 8:
                 stack.append(frame.f_code.co_name)
                 frame = frame.f_back
-            if "_check_range" not in stack:
+            if "_check_range" not in stack and not any(self is t for t in cpu_inputs):
                 reads.append((name, stack))
             return original(self, *args, **kwargs)
         return read
@@ -1086,6 +1236,30 @@ def test_fullgraph_compile_with_dropout_matches_seeded_eager(impl, kind):
 
 
 @pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_fullgraph_compile_with_packed_documents(impl, causal):
+    # one graph for every cu_seqlens of one length: new boundaries reuse it (empty documents fill up the length)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = mt.Encoder(mt.EncoderConfig(impl=impl, chunk_size=8, **TINY))
+    idx = torch.randint(0, 16, (3, 21))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda idx, cu: model(idx, None, causal, cu_seqlens=cu), fullgraph=True, backend=backend)
+    for cu in ([0, 5, 5, 21], [0, 12, 20, 21], [0, 1, 2, 21]):
+        cu = torch.tensor(cu)
+        assert_same(forward_backward(lambda idx: compiled(idx, cu), (idx,), list(model.parameters())),
+                    forward_backward(lambda idx: model(idx, None, causal, cu_seqlens=cu), (idx,),
+                                     list(model.parameters())))
+    assert len(graphs) == 1
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
 def test_inductor_compiles_the_encoder(impl):
     fn, inputs, params = compile_case("encoder", impl, "causal+pad")
     want = forward_backward(fn, inputs, params)
@@ -1133,14 +1307,16 @@ def test_chunked_path_is_one_opaque_operator_for_the_compiler():
 
 
 @pytest.mark.parametrize("kw", [{}, {"is_causal": True, "window_size": 3}, {"attn_mask": "bool"}, {"attn_mask": "float"},
-                                {"dropout_p": 0.3}])
+                                {"dropout_p": 0.3}, {"cu_seqlens": [0, 4, 4, 9], "is_causal": True}])
 def test_chunked_operator_registration(kw):
     # torch.library.opcheck: schema, fake (meta) implementation against the real one, autograd registration
-    q, k, v = (t.float().requires_grad_() for t in make_qkv(2, 2, 11, 9, 8, Dv=4))
+    Lq = 9 if "cu_seqlens" in kw else 11  # packed documents: self-attention
+    q, k, v = (t.float().requires_grad_() for t in make_qkv(2, 2, Lq, 9, 8, Dv=4))
     mask = {"bool": torch.rand(2, 1, 11, 9, generator=torch.Generator().manual_seed(0)) > 0.3,
             "float": torch.randn(11, 9)}.get(kw.get("attn_mask"))
     seed = torch.tensor(12345) if kw.get("dropout_p") else None
-    args = (q, k, v, mask, seed, kw.get("dropout_p", 0.0), kw.get("is_causal", False), 0.35,
+    cu_seqlens = torch.tensor(kw["cu_seqlens"]) if "cu_seqlens" in kw else None
+    args = (q, k, v, mask, seed, cu_seqlens, kw.get("dropout_p", 0.0), kw.get("is_causal", False), 0.35,
             kw.get("window_size"), 4, 3)
     torch.library.opcheck(torch.ops.minitransformer.chunked_attention_fwd.default, args)
 
@@ -1181,6 +1357,20 @@ def test_model_forward_backward_reads_nothing_on_the_host(impl, mask_kind):
         model(inputs[0], mt.padding_mask(lengths, 21) if "pad" in mask_kind else None, causal).sum().backward()
     step()
     assert host_reads(step) == []
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+def test_packed_forward_backward_reads_only_cu_seqlens(impl):
+    # the chunked path reads cu_seqlens on the host to choose its blocks; nothing else is read, and no value of
+    # anything computed from it on the device
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = mt.Encoder(mt.EncoderConfig(impl=impl, dropout=0.1, chunk_size=8, pos_encoding="rope", **TINY))
+    idx, cu = torch.randint(0, 16, (3, 21)), torch.tensor([0, 6, 6, 21])
+    step = lambda: model(idx, None, True, cu_seqlens=cu).sum().backward()
+    step()
+    assert host_reads(step, cpu_inputs=(cu,)) == []
+    assert host_reads(step) != []  # the reads it allows are there
 
 
 @pytest.mark.parametrize("amp", ["off", "bf16", "fp16"])
@@ -1421,7 +1611,8 @@ def test_cuda_fully_masked_rows_with_each_kernel(backend, mask_kind):
 
 @needs_cuda
 @pytest.mark.parametrize("amp", ["off", "bf16", "fp16"])
-def test_cuda_encoder_and_a_training_step_never_make_the_host_wait(amp):
+@pytest.mark.parametrize("pack", [False, True])
+def test_cuda_encoder_and_a_training_step_never_make_the_host_wait(amp, pack):
     # torch.cuda.set_sync_debug_mode("error") raises on any operation that synchronises with the host (an
     # .item(), a pageable copy, a data-dependent shape): the encoder forward+backward of every path, and the
     # pieces of a training step that does not log (a batch made on the device, autocast, the optimizer step)
@@ -1433,10 +1624,16 @@ def test_cuda_encoder_and_a_training_step_never_make_the_host_wait(amp):
         optimizer = mt.make_optimizer(model, 1e-3, 0.01)
         scaler = torch.amp.GradScaler("cuda", enabled=amp == "fp16")
 
-        def step(i):
-            x, y, lengths = mt.reverse_batch(32, 3, 10, cfg.vocab_size, torch.Generator("cuda").manual_seed(i))
+        def step(i):  # packed: cu_seqlens drawn on the host, documents' ids and positions copied pinned
+            gen = torch.Generator("cuda").manual_seed(i)
+            if pack:
+                x, y, cu = mt.packed_reverse_batch(32, 3, 10, cfg.vocab_size, gen, torch.Generator().manual_seed(i))
+                mask = None
+            else:
+                x, y, lengths = mt.reverse_batch(32, 3, 10, cfg.vocab_size, gen)
+                mask, cu = mt.padding_mask(lengths, x.size(1)), None
             with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
-                logits = model(x, mt.padding_mask(lengths, x.size(1)))
+                logits = model(x, mask, cu)
                 loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1), ignore_index=mt.PAD,
                                        label_smoothing=cfg.label_smoothing)
             return mt.optimizer_step(loss, model, optimizer, scaler, cfg.clip)
@@ -1817,6 +2014,32 @@ def test_training_learns_the_reversal_task(tmp_path, monkeypatch):
     assert (w.argmax(1) == anti).double().mean() >= 0.8 and w[torch.arange(L), anti].mean() > 0.5, w
 
 
+def test_packed_batches_hold_whole_reversed_sequences():
+    min_len, max_len = 3, 10
+    lengths = []
+    for seed in range(30):
+        x, y, cu = mt.packed_reverse_batch(4, min_len, max_len, 12, torch.Generator().manual_seed(seed),
+                                           torch.Generator().manual_seed(seed))
+        assert x.shape == y.shape == (4, max_len) and cu.shape == (max_len // min_len + 2,) and cu.dtype == torch.int32
+        c = cu.tolist()
+        assert c[0] == 0 and c[-1] == max_len and sorted(c) == c
+        for a, b in zip(c, c[1:]):
+            assert torch.equal(y[:, a:b], x[:, a:b].flip(1))  # every sequence reversed in place
+            if b == a:  # an empty document: cu_seqlens keeps its length
+                continue
+            if (x[:, a:b] == mt.PAD).all():  # padding: only the end of a row, shorter than a sequence
+                assert b == max_len and b - a < min_len
+            else:
+                assert (x[:, a:b] != mt.PAD).all() and min_len <= b - a <= max_len
+                lengths.append(b - a)
+    assert set(lengths) == set(range(min_len, max_len + 1))  # every length occurs
+
+
+def test_packed_training_learns_the_reversal_task():
+    res = mt.train(mt.TrainConfig(**{**SMALL, "steps": 300, "pack": True, "impl": "chunked"}), log=quiet)
+    assert res["accuracy"] > 0.9  # held out: padded sequences, one per row, as always
+
+
 def test_lr_factor_warms_up_then_decays():
     # by hand, warm-up 4 steps, 10 steps in all, down to 0.1: (s + 1) / 4, then 0.1 + 0.9 * (1 + cos(pi t)) / 2
     got = [mt.lr_factor(s, 4, 10, 0.1) for s in (0, 1, 3, 4, 7, 10, 20)]
@@ -1881,9 +2104,9 @@ def test_fp16_skipped_steps_are_counted(monkeypatch):
     # an inf in the logits of step 3 makes every gradient non-finite: GradScaler skips that step, the run goes on
     forward, calls = mt.TokenClassifier.forward, []
 
-    def poisoned(self, idx, attn_mask=None):
+    def poisoned(self, idx, attn_mask=None, cu_seqlens=None):
         calls.append(1)
-        logits = forward(self, idx, attn_mask)
+        logits = forward(self, idx, attn_mask, cu_seqlens)
         return logits * float("inf") if len(calls) == 3 else logits
     monkeypatch.setattr(mt.TokenClassifier, "forward", poisoned)
     lines = []
@@ -1980,9 +2203,9 @@ def test_non_finite_loss_stops_with_the_step_and_no_checkpoint(tmp_path, monkeyp
     forward = mt.TokenClassifier.forward
     calls = []
 
-    def poisoned(self, idx, attn_mask=None):
+    def poisoned(self, idx, attn_mask=None, cu_seqlens=None):
         calls.append(1)
-        logits = forward(self, idx, attn_mask)
+        logits = forward(self, idx, attn_mask, cu_seqlens)
         return logits * float("nan") if len(calls) == 3 else logits
     monkeypatch.setattr(mt.TokenClassifier, "forward", poisoned)
     ckpt = tmp_path / "ck.pt"
