@@ -79,38 +79,41 @@ def padding_mask(lengths, max_len, device=None):
 
 
 def documents(cu_seqlens, L, device=None):
-    """Packed rows: the document of every position and its position inside it, two (L,) int64 tensors.
+    """Packed rows: (doc_ids, positions), two (L,) int64 tensors, the document of every position and
+    its position inside that document.
 
     cu_seqlens: the CPU offsets [0, l_1, l_1 + l_2, ..., L] of a row's documents (FlashAttention's
     varlen convention), empty ones allowed. Computed on the CPU, where cu_seqlens lives, and copied
-    to a GPU pinned and non-blocking, so that the host never waits.
+    to a GPU pinned and non-blocking, so that the host never waits (under torch.compile the copy is
+    the compiler's own, not pinned here).
     """
     _check_cu_seqlens(cu_seqlens, L)
-    doc = torch.bucketize(torch.arange(L), cu_seqlens[1:], right=True)  # offsets <= p past the first
+    doc = torch.bucketize(torch.arange(L), cu_seqlens[1:], right=True)  # document ends <= p: p's document
     both = torch.stack([doc, torch.arange(L) - cu_seqlens[doc]])  # (2, L)
     if torch.device(device or "cpu").type == "cuda" and not torch.compiler.is_compiling():
         both = both.pin_memory()
     return both.to(device, non_blocking=True).unbind()
 
 
-def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, docs=None, offsets=None,
+def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, doc_ids=None, offsets=None,
                device=None):
     """The mask of scores[..., rows, cols] (rows, cols: slices of query and key positions).
 
     Returns a bool mask (True = keep), a float mask (added to the scores), or None (keep
     every key), broadcastable to (B, H, rows, cols). Causality, the window and documents are
     built from positions, and only for a block that straddles the diagonal, the window's edge
-    or a document boundary. docs: the (L,) document of every position (documents()); offsets:
-    cu_seqlens as a list, where the host knows it, to tell the blocks inside one document.
+    or a document boundary. doc_ids: the (L,) document of every position (documents()); offsets:
+    cu_seqlens as a list, where the host knows it, to tell the blocks inside one document, which
+    need no document mask.
     """
     q0, q1, k0, k1 = rows.start, rows.stop, cols.start, cols.stop
     causal = is_causal and k1 - 1 > q0  # some key lies after some query
     local = window_size is not None and (k1 - 1 - q0 > window_size or q1 - 1 - k0 > window_size)
-    # a block inside one document needs no document mask: one needs it if min(q0, k0) < b < max(q1, k1)
-    # for some boundary b, or where the boundaries are not known on the host
-    cut = docs is not None and (offsets is None or bisect.bisect_right(offsets, min(q0, k0))
+    # a boundary b cuts the block where min(q0, k0) < b < max(q1, k1): bisect_right counts the offsets at
+    # or before min(q0, k0), bisect_left those before max(q1, k1); where they differ, b lies between
+    cut = doc_ids is not None and (offsets is None or bisect.bisect_right(offsets, min(q0, k0))
                                 < bisect.bisect_left(offsets, max(q1, k1)))
-    keep = docs[rows, None] == docs[None, cols] if cut else None  # (rows, cols): the same document
+    keep = doc_ids[rows, None] == doc_ids[None, cols] if cut else None  # (rows, cols): the same document
     if causal or local:
         i = torch.arange(q0, q1, device=device)[:, None]  # (rows, 1)
         j = torch.arange(k0, k1, device=device)[None, :]  # (1, cols)
@@ -140,9 +143,9 @@ def _key_blocks(rows, Lk, ck, is_causal, window_size, offsets=None):
         hi = min(hi, rows.stop)  # keys j <= i < rows.stop
     if window_size is not None:
         lo, hi = max(lo, rows.start - window_size), min(hi, rows.stop + window_size)
-    if offsets is not None:  # from the start of the first query's document to the end of the last's
-        lo = max(lo, offsets[bisect.bisect_right(offsets, rows.start) - 1])
-        hi = min(hi, offsets[bisect.bisect_left(offsets, rows.stop)])
+    if offsets is not None:  # from the start of the first query's document to the end of the last query's:
+        lo = max(lo, offsets[bisect.bisect_right(offsets, rows.start) - 1])  # the last offset <= rows.start
+        hi = min(hi, offsets[bisect.bisect_left(offsets, rows.stop)])  # the first offset >= rows.stop
     return [slice(k0, min(k0 + ck, hi)) for k0 in range(lo, hi, ck)]
 
 
@@ -205,9 +208,9 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     """
     q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
     Lq, Lk = q.size(-2), k.size(-2)
-    docs = None if cu_seqlens is None else documents(cu_seqlens, Lq, q.device)[0]
+    doc_ids = None if cu_seqlens is None else documents(cu_seqlens, Lq, q.device)[0]
     mask = mask_block(attn_mask, slice(0, Lq), slice(0, Lk), is_causal=is_causal, window_size=window_size,
-                      docs=docs, device=q.device)
+                      doc_ids=doc_ids, device=q.device)
     dead = None
     if mask is not None:
         mask, dead = _reopen_dead_rows(mask)
@@ -367,7 +370,7 @@ class BlockOptions:
     dropout_p: float
     row_hash: Optional[torch.Tensor]  # dropout: hashes of the rows (b, h, i), (B, H, Lq, 1), int32
     col_hash: Optional[torch.Tensor]  # and of the key columns j, (Lk,)
-    docs: Optional[torch.Tensor] = None  # packed rows: the document of every position, (L,) (documents())
+    doc_ids: Optional[torch.Tensor] = None  # packed rows: the document of every position, (L,) (documents())
     offsets: Optional[list] = None  # and their cu_seqlens, read on the host (a CPU tensor: no sync)
 
 
@@ -375,7 +378,7 @@ def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_siz
     hashes = _dropout_hashes(seed, *q.shape[:3], k.size(-2)) if dropout_p > 0.0 else (None, None)
     opts = BlockOptions(scale, is_causal, window_size, ck, attn_mask, dropout_p, *hashes)
     if cu_seqlens is not None:
-        opts.docs, opts.offsets = documents(cu_seqlens, q.size(-2), q.device)[0], cu_seqlens.tolist()
+        opts.doc_ids, opts.offsets = documents(cu_seqlens, q.size(-2), q.device)[0], cu_seqlens.tolist()
     return opts
 
 
@@ -475,7 +478,7 @@ def _scores(q, k, rows, cols, opts):
     recomputes it. A float mask's block goes to base 2 here, in that dtype, clamped to its finite range."""
     s = _matmul(q[:, :, rows], k[:, :, cols].transpose(-2, -1), alpha=opts.scale * LOG2E)
     mask = mask_block(opts.mask, rows, cols, is_causal=opts.is_causal, window_size=opts.window_size,
-                      docs=opts.docs, offsets=opts.offsets, device=q.device)
+                      doc_ids=opts.doc_ids, offsets=opts.offsets, device=q.device)
     if mask is not None and mask.is_floating_point():
         mask = _finite_bias(mask, s.dtype, LOG2E)
     return _apply_mask(s, mask)
@@ -566,10 +569,10 @@ def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_
     """(mask, is_causal, dead, kernel): the mask and flag exactly as SDPA gets them, the rows to zero
     after it, and the kernel that runs on them ('unknown' under torch.compile, which picks its own)."""
     mask, dead = None, None
-    docs = None if cu_seqlens is None else documents(cu_seqlens, q.size(-2), q.device)[0]
-    if attn_mask is not None or window_size is not None or docs is not None:  # pure causality: the flag
+    doc_ids = None if cu_seqlens is None else documents(cu_seqlens, q.size(-2), q.device)[0]
+    if attn_mask is not None or window_size is not None or doc_ids is not None:  # pure causality: the flag
         mask = mask_block(attn_mask, slice(0, q.size(-2)), slice(0, k.size(-2)), is_causal=is_causal,
-                          window_size=window_size, docs=docs, device=q.device)
+                          window_size=window_size, doc_ids=doc_ids, device=q.device)
         is_causal = False
     float_mask = mask is not None and mask.is_floating_point()
     if float_mask and mask.dtype not in (q.dtype, torch.float32):  # a dtype SDPA takes, the wider kept
@@ -618,9 +621,8 @@ def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, impl="flash",
               window_size=None, cu_seqlens=None, chunk_size=None):
-    """Attention through impl: one of IMPLS, or a function with SDPA's arguments, window_size= and
-    cu_seqlens= (as ring_attention.ring_impl makes). q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv)
-    -> (B, H, Lq, Dv)."""
+    """Attention through impl: one of IMPLS, or a function with SDPA's arguments, window_size= and cu_seqlens=
+    (ring_attention.ring_impl). q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv)."""
     kw = dict(window_size=window_size, cu_seqlens=cu_seqlens)
     if callable(impl):
         return impl(q, k, v, attn_mask, dropout_p, is_causal, scale, **kw)
@@ -662,7 +664,8 @@ class MultiHeadAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
 
-    def forward(self, x, attn_mask=None, is_causal=False, need_weights=False, positions=None, cu_seqlens=None):
+    def forward(self, x, attn_mask=None, is_causal=False, need_weights=False, positions=None,
+                cu_seqlens=None):
         if x.dim() != 3 or x.size(-1) != self.d_model:
             raise ValueError(f"expected x of shape (B, T, {self.d_model}), got {tuple(x.shape)}")
         B, T, C = x.size()
@@ -806,7 +809,8 @@ class EncoderLayer(nn.Module):
         self.norm_first = norm_first
 
     def _sa(self, x, attn_mask, is_causal, positions, cu_seqlens):
-        return self.dropout1(self.self_attn(x, attn_mask, is_causal, positions=positions, cu_seqlens=cu_seqlens))
+        return self.dropout1(self.self_attn(x, attn_mask, is_causal, positions=positions,
+                                            cu_seqlens=cu_seqlens))
 
     def _ff(self, x):
         return self.dropout2(self.linear2(self.dropout(self.activation(self.linear1(x)))))
@@ -979,26 +983,24 @@ def reverse_batch(B, min_len, max_len, vocab_size, gen):
     return x.masked_fill(~real, PAD), y.masked_fill(~real, PAD), lengths
 
 
-def packed_reverse_batch(B, min_len, max_len, vocab_size, gen, host_gen):
-    """The reversal task packed (--pack): each row of max_len tokens holds whole sequences side by side,
-    each reversed in place, and all B rows share their boundaries, cu_seqlens (see documents()).
-
-    Lengths are drawn as reverse_batch draws them, on the host (host_gen), while they fit; the rest
-    of the row is one more sequence if it is at least min_len long, else padding. cu_seqlens is
-    filled up with empty documents to max_len // min_len + 2 entries: no shape changes from step to
-    step. Returns x, y (B, max_len) on gen's device and cu_seqlens (int32, CPU).
-    """
+def packed_reverse_batch(T, min_len, max_len, vocab_size, gen, host_gen):
+    """The reversal task packed (--pack), as FlashAttention's varlen API takes a batch: one row x, y (1, T)
+    on gen's device of whole sequences side by side, each reversed in place, and their boundaries
+    cu_seqlens (int32, CPU). Lengths are drawn as reverse_batch draws them, on the host, while they fit;
+    the rest of the row is one more sequence if at least min_len long, else padding, a document of its
+    own that no real token sees. Empty documents fill cu_seqlens up to T // min_len + 2 entries (at most
+    T // min_len sequences and the padding): no shape changes from step to step."""
     offsets = [0]
     while True:
         length = int(torch.randint(min_len, max_len + 1, (), generator=host_gen))
-        if offsets[-1] + length > max_len:
+        if offsets[-1] + length > T:
             break
         offsets.append(offsets[-1] + length)
-    real = max_len if max_len - offsets[-1] >= min_len else offsets[-1]  # the rest: a sequence, or padding
-    offsets += [max_len] * (max_len // min_len + 2 - len(offsets))
+    real = T if T - offsets[-1] >= min_len else offsets[-1]  # the rest: a sequence, or padding
+    offsets += [T] * (T // min_len + 2 - len(offsets))
     src = torch.cat([torch.arange(end - 1, start - 1, -1, device=gen.device)  # (T,): position output i reads
                      for start, end in zip(offsets, offsets[1:])])
-    x = torch.randint(1, vocab_size, (B, max_len), generator=gen, device=gen.device)
+    x = torch.randint(1, vocab_size, (1, T), generator=gen, device=gen.device)
     x[:, real:] = PAD
     return x, x[:, src], torch.tensor(offsets, dtype=torch.int32)
 
@@ -1033,7 +1035,8 @@ class TrainConfig:
     vocab_size: int = _arg(32, "task vocabulary, padding included")
     min_len: int = _arg(4, "shortest task sequence")
     max_len: int = _arg(32, "longest task sequence (sequences are padded to it)")
-    pack: bool = _arg(False, "pack sequences side by side into rows of --max-len, none padded (cu_seqlens)")
+    pack: bool = _arg(False, "pack each step's --batch-size x --max-len tokens into one row of whole "
+                             "sequences (cu_seqlens); only its end can be padding, shorter than --min-len")
     eval_size: int = _arg(2000, "held-out sequences, drawn from a stream training never sees")
     device: str = _arg("auto", "auto, cpu, cuda or cuda:N")
     seed: int = _arg(0, "seed of the model, the data and dropout")
@@ -1310,8 +1313,9 @@ def _train(cfg, device, rank, world, say):
         batch_seed = (cfg.seed * 1_000_003 + step) * 1009 + rank
         gen = torch.Generator(device).manual_seed(batch_seed)
         if cfg.pack:  # documents drawn on the host, where the chunked path reads their boundaries
-            x, y, cu_seqlens = packed_reverse_batch(cfg.batch_size, cfg.min_len, cfg.max_len, mcfg.vocab_size,
-                                                    gen, torch.Generator().manual_seed(batch_seed))
+            host_gen = torch.Generator().manual_seed(batch_seed)
+            x, y, cu_seqlens = packed_reverse_batch(cfg.batch_size * cfg.max_len, cfg.min_len, cfg.max_len,
+                                                    mcfg.vocab_size, gen, host_gen)
             mask = None
         else:
             x, y, lengths = reverse_batch(cfg.batch_size, cfg.min_len, cfg.max_len, mcfg.vocab_size, gen)

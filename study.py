@@ -60,9 +60,9 @@ except ImportError:
 # kernel enforces (RLIMIT_AS). Elsewhere rss_mib stays empty and the memory wall is predicted.
 LINUX_MEMORY = sys.platform.startswith("linux") and os.path.exists("/proc/self/clear_refs") and resource is not None
 
-COLUMNS = ["device", "torch", "dtype", "series", "path", "kernel", "mode", "causal", "window", "B", "H", "D",
-           "n", "world", "ms", "comm_ms", "peak_mib", "rss_mib", "tflops", "pct_matmul", "matmul_tflops",
-           "mem_budget_gib", "status"]
+COLUMNS = ["device", "torch", "dtype", "series", "path", "kernel", "mode", "causal", "window", "docs", "B", "H",
+           "D", "n", "world", "ms", "comm_ms", "peak_mib", "rss_mib", "tflops", "pct_matmul", "pairs",
+           "matmul_tflops", "mem_budget_gib", "status"]
 MODES = ("fwd", "fwd+bwd")
 MIB = 2**20
 SDPA_SERIES = {"sdpa-flash": "flash", "sdpa-efficient": "efficient", "sdpa-cudnn": "cudnn"}
@@ -70,6 +70,17 @@ SDPA_SERIES = {"sdpa-flash": "flash", "sdpa-efficient": "efficient", "sdpa-cudnn
 
 # -----------------------------------------------------------------------------
 # Pure parts: FLOPs, exponent fits
+
+
+def attention_pairs(n, causal=False, window=None):
+    """The (query, key) pairs of one (batch, head): n^2, halved by causality (as FlashAttention counts
+    it); with a window, only the pairs inside it."""
+    if window is None:
+        return n * n / (2 if causal else 1)
+    i = torch.arange(n, dtype=torch.float64)
+    before = torch.clamp(i, max=window)  # keys j in [i - w, i)
+    after = torch.clamp(n - 1 - i, max=window)  # keys j in (i, i + w]
+    return float((1 + before + (0 if causal else after)).sum())
 
 
 def attention_flops(B, H, n, D, causal=False, window=None, mode="fwd"):
@@ -80,25 +91,38 @@ def attention_flops(B, H, n, D, causal=False, window=None, mode="fwd"):
     matmuls instead of two). With a window, only the (i, j) pairs inside it count:
     pass window=None for a kernel that computes every pair and masks the rest.
     """
-    if window is None:
-        pairs = n * n / (2 if causal else 1)
-    else:
-        i = torch.arange(n, dtype=torch.float64)
-        before = torch.clamp(i, max=window)  # keys j in [i - w, i)
-        after = torch.clamp(n - 1 - i, max=window)  # keys j in (i, i + w]
-        pairs = float((1 + before + (0 if causal else after)).sum())
-    flops = 4 * B * H * pairs * D
-    return flops * (3.5 if mode == "fwd+bwd" else 1.0)
+    return 4 * B * H * attention_pairs(n, causal, window) * D * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+def packed_offsets(n, docs, seed=0):
+    """cu_seqlens of `docs` documents packed to n: docs - 1 distinct cuts drawn uniformly (a fixed seed), so
+    that the lengths are random, average n / docs, and vary widely, as real documents do."""
+    if not 1 <= docs <= n:
+        raise ValueError(f"cannot pack {docs} non-empty documents into n={n} tokens")
+    cuts = torch.randperm(n - 1, generator=torch.Generator().manual_seed(seed))[:docs - 1] + 1
+    return [0] + sorted(cuts.tolist()) + [n]
+
+
+def computed_pairs(point):
+    """The pairs one (batch, head) of a series computes: chunked skips what causality and a window hide, and
+    with documents the key blocks outside them (counted block by block, as it visits them); the fused
+    kernels skip causal pairs only when causality reaches them as a flag; naive, and SDPA given a window
+    or documents (only as an (n, n) mask), compute every pair and mask the rest."""
+    p, n = point, point["n"]
+    if p.get("docs") and p["path"] == "chunked":
+        device = p["device"].split(":")[0]  # the device's label: "cpu:...", "cuda:..."
+        cq, ck = mt._chunks(p.get("chunk_size") or mt.default_chunk_size(device))
+        offsets = packed_offsets(n, p["docs"])
+        return sum((rows.stop - rows.start) * (cols.stop - cols.start) for rows in mt._blocks(n, cq)
+                   for cols in mt._key_blocks(rows, n, ck, p["causal"], p["window"], offsets))
+    dense = p["path"] == "naive" or (p["path"] not in ("chunked", "ring") and (p["window"] or p.get("docs")))
+    return attention_pairs(n, p["causal"] and not dense, None if dense else p["window"])
 
 
 def computed_flops(point):
-    """FLOPs of the pairs a series computes: chunked skips what causality and a window hide,
-    the fused kernels skip causal pairs only when causality reaches them as a flag, and naive,
-    like SDPA given a window (only as an (n, n) mask), computes every pair and masks the rest."""
+    """FLOPs of the pairs a series computes (computed_pairs), counted as attention_flops counts them."""
     p = point
-    dense = p["path"] == "naive" or (p["path"] not in ("chunked", "ring") and p["window"] is not None)
-    return attention_flops(p["B"], p["H"], p["n"], p["D"], p["causal"] and not dense,
-                           None if dense else p["window"], p["mode"])
+    return 4 * p["B"] * p["H"] * computed_pairs(p) * p["D"] * (3.5 if p["mode"] == "fwd+bwd" else 1.0)
 
 
 def fit_exponent(ns, ys, last=3):
@@ -324,7 +348,8 @@ def _sync(device):
 
 def _attention_call(spec, q, k, v):
     """The call measured for one series: returns (fn, kernel label)."""
-    kw = dict(is_causal=spec["causal"], window_size=spec["window"])
+    cu_seqlens = torch.tensor(packed_offsets(spec["n"], spec["docs"])) if spec.get("docs") else None
+    kw = dict(is_causal=spec["causal"], window_size=spec["window"], cu_seqlens=cu_seqlens)
     path = spec["path"]
     if path in SDPA_SERIES:  # one fused kernel forced, if this GPU and these inputs allow it
         backend = mt._KERNELS[SDPA_SERIES[path]]
@@ -671,6 +696,7 @@ class Series:
     max_n: int | None = None  # longest n for this series (None: every length of the sweep)
     chunk_size: int | tuple | None = None  # blocks of a chunked series (None: --chunk-size or the default)
     world: int = 1  # processes: a ring series cuts the sequence across `world` of them
+    docs: int | None = None  # packed: documents of random lengths side by side (packed_offsets)
     default: bool = True  # in the sweep when --series names none
 
 
@@ -691,7 +717,8 @@ CPU_DEFAULT_CAPS = {"chunked": 8192, "flash": 8192, "chunked-causal": 4096, "fla
 
 def default_series(device, causal, window, caps=None):
     """naive, chunked, flash (+ each fused SDPA kernel on CUDA), chunked-causal, chunked-window<w>, flash-window<w>;
-    outside the default, ring2 and ring4 (P processes: gloo on CPU, NCCL where there are P GPUs or more).
+    outside the default, <path>-packed8 and -packed32 (8 or 32 documents in every row) for naive, chunked
+    and flash, and ring2 and ring4 (P processes: gloo on CPU, NCCL where there are P GPUs or more).
 
     caps: {series name: longest n}, for series that need not go to the sweep's longest
     length to make their point.
@@ -704,6 +731,8 @@ def default_series(device, causal, window, caps=None):
     if window:
         series.append(Series(f"chunked-window{window}", "chunked", causal, window))
         series.append(Series(f"flash-window{window}", "flash", causal, window))  # the window as an (n, n) mask
+    for docs in (8, 32):  # packed documents; chunked computes about the sum of their squared lengths
+        series += [Series(f"{path}-packed{docs}", path, causal, docs=docs, default=False) for path in mt.IMPLS]
     for P in (2, 4):
         if device.type == "cpu" or torch.cuda.device_count() >= P:
             series.append(Series(f"ring{P}", "ring", causal, world=P, default=False))
@@ -784,7 +813,8 @@ def sweep(points, runner, log, done, ceiling, say=print, predict_wall=False):
                 row = {**base, "kernel": r["kernel"], "ms": f"{r['ms']:.3f}", "peak_mib": f"{r['peak_mib']:.1f}",
                        "comm_ms": "" if r.get("comm_ms") is None else f"{r['comm_ms']:.3f}",
                        "rss_mib": "" if r.get("rss_mib") is None else f"{r['rss_mib']:.1f}",
-                       "tflops": f"{tflops:.4f}", "pct_matmul": f"{100 * tflops / ceiling:.1f}", "status": "ok"}
+                       "tflops": f"{tflops:.4f}", "pct_matmul": f"{100 * tflops / ceiling:.1f}",
+                       "pairs": f"{computed_pairs(p) / p['n'] ** 2:.4f}", "status": "ok"}
                 rss = "" if r.get("rss_mib") is None else f" (RSS {r['rss_mib']:.0f} MiB)"
                 say(f"{label}: {r['ms']:.1f} ms, {r['peak_mib']:.0f} MiB{rss} ({r['kernel']})")
             except PointOOM as e:
@@ -1015,6 +1045,26 @@ def report(rows):
                 lines.append(f"| {s} (P={r.get('world') or '?'}) | {mode} | {r['n']} | {float(r['ms']):.1f} | "
                              f"{float(r['peak_mib']):.1f} | {c['ms'] if c else '-'} | {c['peak_mib'] if c else '-'} | "
                              f"{ratio('peak_mib')} | {ratio('ms')} | {comm} |")
+    packed = [key for key, rs in curves.items() if rs[0].get("docs")]
+    if packed:
+        lines += ["", "## Packed documents", "",
+                  "Every row of n tokens packs `docs` documents of random lengths (study.packed_offsets, a fixed seed), "
+                  "and a query sees only its own document. Visible: the share of the n^2 pairs inside documents "
+                  "(causal: l^2 / 2 each, as FlashAttention counts); computed: the share the path computes (chunked: "
+                  "the whole key blocks it visits, block rounding included; naive and flash: every pair, under an "
+                  "(n, n) mask). One document: the same path on one document of length n, so the ratios show what "
+                  "the blocks documents hide save, not packing against padding (that is the training's --pack).", "",
+                  "| series | mode | n | visible pairs | computed pairs | ms | peak MiB | time / one document "
+                  "| memory / one document |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for s, mode in packed:
+            for r in curves[(s, mode)]:
+                n, one = int(r["n"]), _at(curves, r["path"], mode, int(r["n"]))
+                offsets = packed_offsets(n, int(r["docs"]))
+                visible = sum(attention_pairs(b - a, r["causal"] == "True", int(r["window"]) if r["window"] else None)
+                              for a, b in zip(offsets, offsets[1:])) / n**2
+                ratio = (lambda col: f"{float(r[col]) / max(float(one[col]), 1e-3):.2f}x") if one else (lambda col: "-")
+                lines.append(f"| {s} | {mode} | {n} | {visible:.3f} | {float(r['pairs']):.3f} | {float(r['ms']):.1f} | "
+                             f"{float(r['peak_mib']):.1f} | {ratio('ms')} | {ratio('peak_mib')} |")
     lines += ["", "## Claims checked", ""]
     fb = "fwd+bwd"
     if ("naive", fb) in fits:
@@ -1324,7 +1374,7 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
         ceiling = runner({"kind": "matmul", "device": info["device"], "dtype": dtype,
                           "N": 2048 if info["device"] == "cpu" else 8192, "seconds": 2.0})["tflops"]
         points = [{"device": info["label"], "torch": torch.__version__, "dtype": dtype, "series": s.name,
-                   "path": s.path, "mode": mode, "causal": s.causal, "window": s.window, "H": args.heads,
+                   "path": s.path, "mode": mode, "causal": s.causal, "window": s.window, "docs": s.docs, "H": args.heads,
                    "D": args.head_dim, "n": n, "B": max(1, args.tokens // n) if args.tokens else batch, "world": s.world,
                    "matmul_tflops": f"{ceiling:.4f}", "mem_budget_gib": f"{budget_gib:.3f}",
                    "chunk_size": s.chunk_size or args.chunk_size, "min_repeats": 1 if args.quick else 3,

@@ -809,7 +809,7 @@ def test_packed_chunked_visits_only_the_blocks_documents_leave_visible(monkeypat
 
     def counting(q, k, rows, cols, opts):
         mask = mt.mask_block(opts.mask, rows, cols, is_causal=opts.is_causal, window_size=opts.window_size,
-                             docs=opts.docs, offsets=opts.offsets)
+                             doc_ids=opts.doc_ids, offsets=opts.offsets)
         scored.append((rows.start, cols.start, cols.stop, mask is not None))
         return scores(q, k, rows, cols, opts)
     monkeypatch.setattr(mt, "_scores", counting)
@@ -1257,6 +1257,21 @@ def test_fullgraph_compile_with_packed_documents(impl, causal):
                     forward_backward(lambda idx: model(idx, None, causal, cu_seqlens=cu), (idx,),
                                      list(model.parameters())))
     assert len(graphs) == 1
+    with pytest.raises(RuntimeError, match="cu_seqlens must start at 0, never decrease and end at"):
+        compiled(idx, torch.tensor([0, 5, 5, 20]))  # under compile, a device-side assert
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+def test_inductor_compiles_the_packed_encoder(impl):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = mt.Encoder(mt.EncoderConfig(impl=impl, chunk_size=8, pos_encoding="rope", **TINY))
+    idx, cu = torch.randint(0, 16, (3, 21)), torch.tensor([0, 5, 5, 21])
+    fn = lambda idx: model(idx, None, True, cu_seqlens=cu)
+    want = forward_backward(fn, (idx,), list(model.parameters()))
+    torch._dynamo.reset()
+    assert_same(forward_backward(torch.compile(fn, fullgraph=True), (idx,), list(model.parameters())), want)
 
 
 @pytest.mark.parametrize("impl", mt.IMPLS)
@@ -1627,7 +1642,7 @@ def test_cuda_encoder_and_a_training_step_never_make_the_host_wait(amp, pack):
         def step(i):  # packed: cu_seqlens drawn on the host, documents' ids and positions copied pinned
             gen = torch.Generator("cuda").manual_seed(i)
             if pack:
-                x, y, cu = mt.packed_reverse_batch(32, 3, 10, cfg.vocab_size, gen, torch.Generator().manual_seed(i))
+                x, y, cu = mt.packed_reverse_batch(320, 3, 10, cfg.vocab_size, gen, torch.Generator().manual_seed(i))
                 mask = None
             else:
                 x, y, lengths = mt.reverse_batch(32, 3, 10, cfg.vocab_size, gen)
@@ -1668,6 +1683,26 @@ def test_attention_flops_follow_flashattention_convention():
     assert study.computed_flops({**point, "path": "chunked"}) == 4 * local_causal
     assert study.computed_flops({**point, "path": "flash"}) == study.computed_flops({**point, "path": "naive"}) == 4 * n * n
     assert study.computed_flops({**point, "path": "flash", "window": None}) == 4 * n * n / 2  # is_causal as a flag
+
+
+def test_packed_study_counts_the_pairs_each_path_computes(monkeypatch):
+    n, docs = 200, 6
+    offsets = study.packed_offsets(n, docs)
+    assert offsets == study.packed_offsets(n, docs)  # a fixed seed
+    assert len(offsets) == docs + 1 and offsets[0] == 0 and offsets[-1] == n and sorted(set(offsets)) == offsets
+    # the same count made another way: the blocks a real chunked call scores, its forward and backward
+    scored, scores = [], mt._scores
+    monkeypatch.setattr(mt, "_scores", lambda q, k, rows, cols, opts: scored.append(
+        (rows.stop - rows.start) * (cols.stop - cols.start)) or scores(q, k, rows, cols, opts))
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 1, n, n, 4))
+    for causal in (False, True):
+        scored.clear()
+        mt.chunked_attention(q, k, v, is_causal=causal, cu_seqlens=torch.tensor(offsets), chunk_size=(32, 16)).sum().backward()
+        point = {"n": n, "docs": docs, "causal": causal, "window": None, "chunk_size": (32, 16), "device": "cpu:x"}
+        assert study.computed_pairs({**point, "path": "chunked"}) == sum(scored) / 2
+        assert study.computed_pairs({**point, "path": "naive"}) == study.computed_pairs({**point, "path": "flash"}) == n * n
+    visible = sum((b - a) ** 2 for a, b in zip(offsets, offsets[1:]))
+    assert visible < study.computed_pairs({**point, "causal": False, "path": "chunked"}) < n * n / 2
 
 
 def test_growth_exponent_removes_the_constant():
@@ -1784,7 +1819,7 @@ def test_study_end_to_end_measures_real_memory(tmp_path):
     # a real worker process: the naive forward at n=512 must hold its (H, n, n) float32 scores
     # and softmax output at once; the chunked forward never holds them. At n=4096 those two
     # are 2 x 256 MiB, more than a 0.5 GiB budget: naive runs out, chunked and flash go on.
-    study.main(["--device", "cpu", "--lengths", "128,512,4096", "--series", "naive,chunked,flash", "--heads", "4",
+    study.main(["--device", "cpu", "--lengths", "128,512,4096", "--series", "naive,chunked,flash,chunked-packed32", "--heads", "4",
                 "--head-dim", "16", "--mode", "fwd", "--out", str(tmp_path), "--target-seconds", "0.02",
                 "--mem-budget", "0.5"])
     rows = {(r["series"], int(r["n"])): r for r in study.read_rows(tmp_path / "study.csv")}
@@ -1803,6 +1838,10 @@ def test_study_end_to_end_measures_real_memory(tmp_path):
     assert float(rows[("chunked", 512)]["peak_mib"]) < float(naive["peak_mib"]) / 2
     assert rows[("flash", 512)]["kernel"] == "flash"
     assert "Claims checked" in (tmp_path / "summary.md").read_text()
+    packed = rows[("chunked-packed32", 4096)]  # 32 documents: chunked computes a fraction of the pairs
+    assert packed["docs"] == "32" and packed["window"] == "" and float(packed["pairs"]) < 0.5
+    assert float(rows[("chunked", 4096)]["pairs"]) == 1
+    assert "| chunked-packed32 | fwd | 4096 |" in (tmp_path / "summary.md").read_text()
 
 
 def test_study_measures_a_ring_series_across_two_processes(tmp_path):
@@ -2015,20 +2054,20 @@ def test_training_learns_the_reversal_task(tmp_path, monkeypatch):
 
 
 def test_packed_batches_hold_whole_reversed_sequences():
-    min_len, max_len = 3, 10
+    min_len, max_len, T = 3, 10, 40
     lengths = []
     for seed in range(30):
-        x, y, cu = mt.packed_reverse_batch(4, min_len, max_len, 12, torch.Generator().manual_seed(seed),
+        x, y, cu = mt.packed_reverse_batch(T, min_len, max_len, 12, torch.Generator().manual_seed(seed),
                                            torch.Generator().manual_seed(seed))
-        assert x.shape == y.shape == (4, max_len) and cu.shape == (max_len // min_len + 2,) and cu.dtype == torch.int32
+        assert x.shape == y.shape == (1, T) and cu.shape == (T // min_len + 2,) and cu.dtype == torch.int32
         c = cu.tolist()
-        assert c[0] == 0 and c[-1] == max_len and sorted(c) == c
+        assert c[0] == 0 and c[-1] == T and sorted(c) == c
         for a, b in zip(c, c[1:]):
             assert torch.equal(y[:, a:b], x[:, a:b].flip(1))  # every sequence reversed in place
             if b == a:  # an empty document: cu_seqlens keeps its length
                 continue
-            if (x[:, a:b] == mt.PAD).all():  # padding: only the end of a row, shorter than a sequence
-                assert b == max_len and b - a < min_len
+            if (x[:, a:b] == mt.PAD).all():  # padding: only the end of the row, shorter than a sequence
+                assert b == T and b - a < min_len
             else:
                 assert (x[:, a:b] != mt.PAD).all() and min_len <= b - a <= max_len
                 lengths.append(b - a)
