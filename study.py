@@ -945,6 +945,11 @@ def plot(rows, out_dir, title):
     return files
 
 
+def _ratio(row, base, col):
+    """row[col] / base[col] as "1.23x"; "-" without a base row."""
+    return f"{float(row[col]) / max(float(base[col]), 1e-3):.2f}x" if base else "-"
+
+
 def _at(curves, series, mode, n):
     for r in curves.get((series, mode), []):
         if int(r["n"]) == n:
@@ -1040,11 +1045,10 @@ def report(rows):
         for s, mode in rings:
             for r in curves[(s, mode)]:
                 c = _at(curves, "chunked", mode, int(r["n"]))
-                ratio = (lambda col: f"{float(r[col]) / max(float(c[col]), 1e-3):.2f}x") if c else (lambda col: "-")
                 comm = f"{float(r['comm_ms']) / float(r['ms']):.0%}" if r.get("comm_ms") else "-"
                 lines.append(f"| {s} (P={r.get('world') or '?'}) | {mode} | {r['n']} | {float(r['ms']):.1f} | "
                              f"{float(r['peak_mib']):.1f} | {c['ms'] if c else '-'} | {c['peak_mib'] if c else '-'} | "
-                             f"{ratio('peak_mib')} | {ratio('ms')} | {comm} |")
+                             f"{_ratio(r, c, 'peak_mib')} | {_ratio(r, c, 'ms')} | {comm} |")
     packed = [key for key, rs in curves.items() if rs[0].get("docs")]
     if packed:
         lines += ["", "## Packed documents", "",
@@ -1062,9 +1066,8 @@ def report(rows):
                 offsets = packed_offsets(n, int(r["docs"]))
                 visible = sum(attention_pairs(b - a, r["causal"] == "True", int(r["window"]) if r["window"] else None)
                               for a, b in zip(offsets, offsets[1:])) / n**2
-                ratio = (lambda col: f"{float(r[col]) / max(float(one[col]), 1e-3):.2f}x") if one else (lambda col: "-")
                 lines.append(f"| {s} | {mode} | {n} | {visible:.3f} | {float(r['pairs']):.3f} | {float(r['ms']):.1f} | "
-                             f"{float(r['peak_mib']):.1f} | {ratio('ms')} | {ratio('peak_mib')} |")
+                             f"{float(r['peak_mib']):.1f} | {_ratio(r, one, 'ms')} | {_ratio(r, one, 'peak_mib')} |")
     lines += ["", "## Claims checked", ""]
     fb = "fwd+bwd"
     if ("naive", fb) in fits:
