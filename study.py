@@ -1008,7 +1008,8 @@ def report(rows):
     lines += ["", "Ratios at the largest n that both paths reached (naive / path: > 1 means the path uses less "
               "memory or time):", ""]
     for mode in MODES:
-        for other in [s for s, m in curves if m == mode and s != "naive" and curves[(s, m)][0]["path"] != "ring"]:
+        for other in [s for s, m in curves if m == mode and s != "naive" and curves[(s, m)][0]["path"] != "ring"
+                      and not curves[(s, m)][0].get("docs")]:  # packed series: their own table
             common = sorted({int(r["n"]) for r in curves.get(("naive", mode), [])} &
                             {int(r["n"]) for r in curves[(other, mode)]})
             if common:
@@ -1055,9 +1056,10 @@ def report(rows):
                   "Every row of n tokens packs `docs` documents of random lengths (study.packed_offsets, a fixed seed), "
                   "and a query sees only its own document. Visible: the share of the n^2 pairs inside documents "
                   "(causal: l^2 / 2 each, as FlashAttention counts); computed: the share the path computes (chunked: "
-                  "the whole key blocks it visits, block rounding included; naive and flash: every pair, under an "
-                  "(n, n) mask). One document: the same path on one document of length n, so the ratios show what "
-                  "the blocks documents hide save, not packing against padding (that is the training's --pack).", "",
+                  "every pair of the key blocks it visits, pairs across documents inside them included; naive and "
+                  "flash: every pair, under an (n, n) mask). One document: the same path on one document of length "
+                  "n, so the ratios show what the blocks documents hide save, not packing against padding (that is "
+                  "the training's --pack).", "",
                   "| series | mode | n | visible pairs | computed pairs | ms | peak MiB | time / one document "
                   "| memory / one document |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for s, mode in packed:
@@ -1359,7 +1361,13 @@ def _report_only(p, out, command):
     title = f"{r['device']}, {r['dtype']}, torch {r['torch']}, B={r['B']}, H={r['H']}, D={r['D']}"
     if r.get("mem_budget_gib"):
         title += f", memory budget {float(r['mem_budget_gib']):.4g} GiB"
-    return write_report(csv_path, out, title, f"report redrawn from {csv_path}; command: `{command}`")
+    note = f"report redrawn from {csv_path}; command: `{command}`"
+    summary = os.path.join(out, "summary.md")
+    if os.path.exists(summary):  # the sweep's own time and command are measurements too: kept
+        with open(summary) as f:
+            note = "".join(line.strip().split("; report redrawn")[0] + "; " for line in f
+                           if line.startswith("sweep took ")) + note
+    return write_report(csv_path, out, title, note)
 
 
 def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budget_gib, runner, out, command):
