@@ -120,9 +120,9 @@ def computed_pairs(point):
 
 
 def computed_flops(point):
-    """FLOPs of the pairs a series computes (computed_pairs), counted as attention_flops counts them."""
+    """FLOPs of the pairs a series computes: attention_flops of all n^2 pairs, scaled to computed_pairs."""
     p = point
-    return 4 * p["B"] * p["H"] * computed_pairs(p) * p["D"] * (3.5 if p["mode"] == "fwd+bwd" else 1.0)
+    return attention_flops(p["B"], p["H"], p["n"], p["D"], mode=p["mode"]) * computed_pairs(p) / p["n"] ** 2
 
 
 def fit_exponent(ns, ys, last=3):
@@ -1053,8 +1053,8 @@ def report(rows):
     packed = [key for key, rs in curves.items() if rs[0].get("docs")]
     if packed:
         lines += ["", "## Packed documents", "",
-                  "Every row of n tokens packs `docs` documents of random lengths (study.packed_offsets, a fixed seed), "
-                  "and a query sees only its own document. Visible: the share of the n^2 pairs inside documents "
+                  "Every row of n tokens packs `docs` documents of random lengths (study.packed_offsets, a fixed "
+                  "seed), and a query sees only its own document. Visible: the share of the n^2 pairs inside documents "
                   "(causal: l^2 / 2 each, as FlashAttention counts); computed: the share the path computes (chunked: "
                   "every pair of the key blocks it visits, pairs across documents inside them included; naive and "
                   "flash: every pair, under an (n, n) mask). One document: the same path on one document of length "
@@ -1385,8 +1385,9 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
         ceiling = runner({"kind": "matmul", "device": info["device"], "dtype": dtype,
                           "N": 2048 if info["device"] == "cpu" else 8192, "seconds": 2.0})["tflops"]
         points = [{"device": info["label"], "torch": torch.__version__, "dtype": dtype, "series": s.name,
-                   "path": s.path, "mode": mode, "causal": s.causal, "window": s.window, "docs": s.docs, "H": args.heads,
-                   "D": args.head_dim, "n": n, "B": max(1, args.tokens // n) if args.tokens else batch, "world": s.world,
+                   "path": s.path, "mode": mode, "causal": s.causal, "window": s.window, "docs": s.docs,
+                   "H": args.heads, "D": args.head_dim, "n": n, "B": max(1, args.tokens // n) if args.tokens else batch,
+                   "world": s.world,
                    "matmul_tflops": f"{ceiling:.4f}", "mem_budget_gib": f"{budget_gib:.3f}",
                    "chunk_size": s.chunk_size or args.chunk_size, "min_repeats": 1 if args.quick else 3,
                    "target_s": 0.2 if args.quick else args.target_seconds}
