@@ -930,6 +930,8 @@ class Encoder(nn.Module):
         documents()); each is encoded as if alone, its positions restarting at 0."""
         if cu_seqlens is not None and positions is None:
             positions = documents(cu_seqlens, idx.size(-1), idx.device)[1]
+        if positions is not None:  # named here: past the tables' end it would be a bare IndexError
+            _check_range(positions, 0, self.config.max_len, "positions inside each document or shard")
         x = self._embed(idx, positions)  # (B, T, d_model)
         for layer in self.layers:
             x = layer(x, attn_mask, is_causal, positions, cu_seqlens)

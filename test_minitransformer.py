@@ -850,6 +850,8 @@ def test_bad_cu_seqlens_are_refused_by_name(impl):
         model = mt.Encoder(mt.EncoderConfig(impl=impl, **TINY))
     with pytest.raises(ValueError, match="end at the sequence length 8"):
         model(torch.randint(0, 16, (2, 8)), cu_seqlens=torch.tensor([0, 4, 9]))
+    with pytest.raises(ValueError, match=r"positions inside each document or shard must lie in \[0, 64\), got min 0 max 69"):
+        model(torch.randint(0, 16, (1, 80)), cu_seqlens=torch.tensor([0, 10, 80]))  # a document past max_len = 64
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
