@@ -1707,14 +1707,110 @@ def test_packed_study_counts_the_pairs_each_path_computes(monkeypatch):
     assert visible < study.computed_pairs({**point, "causal": False, "path": "chunked"}) < n * n / 2
 
 
+def test_memory_model_formulas_match_hand_counts():
+    # every formula against its terms counted by hand, on small shapes (bytes; float32 = 4, bfloat16 = 2)
+    B, H, L, D, Dv = 2, 3, 1000, 16, 8
+    sq, out = B * H * L * L * 4, B * H * L * Dv * 4  # one (B, H, L, L) matrix, the output
+    total = lambda terms: sum(terms.values())  # noqa: E731
+    assert total(study.naive_memory(B, H, L, L, D, Dv, 4, "fwd", False)) == 2 * sq + out  # S, P, out
+    assert total(study.naive_memory(B, H, L, L, D, Dv, 4, "fwd", True)) == 3 * sq + L * L  # S, P, P zeroed, mask
+    assert total(study.naive_memory(B, H, L, L, D, Dv, 2, "fwd+bwd", False)) == 3 * sq // 2 + 2 * out // 2
+    cq, ck = 256, 128  # chunked: two (B, H, cq, ck) float32 blocks in the forward, four in the backward
+    block, stats, o = B * H * cq * ck * 4, B * H * L * 4, B * H * cq * Dv * 4
+    grads = B * H * L * (D + D + Dv) * 4
+    assert total(study.chunked_memory(B, H, L, L, D, Dv, 4, "fwd", cq, ck)) == out + 2 * stats + o + 2 * block
+    assert total(study.chunked_memory(B, H, L, L, D, Dv, 4, "fwd+bwd", cq, ck)) == out + grads + 4 * stats + 4 * block
+    assert total(study.chunked_memory(B, H, L, L, D, Dv, 4, "fwd", cq, ck, docs=True)) == (
+        out + 2 * stats + o + 2 * block + 2 * L * 8)  # document ids and positions, int64
+    # one key block (L <= ck): one block of scores beside the product P V
+    assert total(study.chunked_memory(B, H, 100, 100, D, Dv, 4, "fwd", cq, ck)) == (
+        B * H * 100 * Dv * 4 + 2 * B * H * 100 * 4 + 2 * B * H * 100 * Dv * 4 + B * H * 100 * 100 * 4)
+    # bfloat16 at a long length: the backward ends with dQ, dK, dV in float32 and in bfloat16 at once
+    n = 1 << 16
+    assert total(study.chunked_memory(1, 1, n, n, 64, 64, 2, "fwd+bwd", 256, 256, cpu=False)) == (
+        n * 64 * 2 + 3 * n * 64 * (4 + 2) + 4 * n * 4)
+    # SDPA's CPU kernel: per thread a (qs, ks) block, its max and sum, and qs output rows, float32
+    for Lq, qs in ((100, 32), (200, 64), (800, 256)):
+        per_thread = (qs * 512 + 2 * qs + qs * Dv) * 4
+        lse = B * H * Lq * 4
+        assert total(study.flash_memory(B, H, Lq, 600, D, Dv, 4, "fwd", "cpu", False, threads=3)) == (
+            B * H * Lq * Dv * 4 + lse + 3 * per_thread)
+    # and its backward: out, logsumexp, dout in its layout, dQ, dK, dV, a P and a dP block per thread
+    assert total(study.flash_memory(B, H, L, L, D, Dv, 4, "fwd+bwd", "cpu", False, threads=2)) == (
+        2 * out + B * H * L * 4 + B * H * L * (2 * D + Dv) * 4 + 2 * 2 * 256 * 512 * 4)
+    # a mask: ours (bool) and SDPA's bias in the inputs' dtype, both (L, L), in the forward
+    assert total(study.flash_memory(B, H, L, L, D, Dv, 4, "fwd", "cpu", True, threads=1)) == (
+        out + B * H * L * 4 + (256 * 512 + 2 * 256 + 256 * Dv) * 4 + L * L * (4 + 1))
+    # CUDA flash backward: out, logsumexp, dout and out copied, dQ, dK, dV, dQ accumulator and softmax_d
+    assert total(study.flash_memory(1, 2, 1000, 1000, 40, 40, 2, "fwd+bwd", "flash", False)) == (
+        3 * 2 * 1000 * 40 * 2 + 2 * 1000 * 4 + 3 * 2 * 1000 * 40 * 2 + 1 * 1024 * 2 * (64 + 1) * 4)
+    # the ring per rank, s = n / P: K/V pairs in flight, dK/dV pairs in float32, in units u of one (B, H, s, D)
+    # float32 tensor; a (B, H, 256, 256) block of scores is `block`
+    n, D = 8192, 64
+    u2, u4 = B * H * (n // 2) * D * 4, B * H * (n // 4) * D * 4
+    block = B * H * 256 * 256 * 4
+    assert total(study.ring_memory(B, H, n, D, D, 4, "fwd", 2, 256, 256)) == (  # o, m, l, the pair arriving, blocks
+        u2 + 2 * B * H * (n // 2) * 4 + 2 * u2 + 2 * block)
+    assert total(study.ring_memory(B, H, n, D, D, 4, "fwd+bwd", 4, 256, 256)) == (  # a pass starting, P = 4:
+        2 * u4 + 2 * B * H * (n // 4) * 4 + 3 * 2 * u4 + 4 * 2 * u4)  # out, dQ, m, l, 3 K/V and 4 dK/dV pairs
+
+
+def test_memory_model_predicts_the_allocators_peak():
+    # the model against the profiler's record of every allocation, in this process, at shapes where its
+    # terms dominate (the study checks every point of its sweep the same way)
+    threads = torch.get_num_threads()
+    base = {"device": "cpu", "B": 1, "H": 4, "D": 32, "causal": False, "window": None, "docs": None, "world": 1,
+            "chunk_size": None, "min_repeats": 1, "target_s": 0.0}
+    for path, mode, n, dtype, extra in [("naive", "fwd", 512, "float32", {}),
+                                        ("naive", "fwd+bwd", 512, "bfloat16", {"causal": True}),
+                                        ("chunked", "fwd", 2048, "float32", {}),
+                                        ("chunked", "fwd+bwd", 2048, "bfloat16", {"window": 300}),
+                                        ("chunked", "fwd+bwd", 2048, "float32", {"docs": 8}),
+                                        ("flash", "fwd+bwd", 2048, "float32", {}),
+                                        ("flash", "fwd", 1024, "float32", {"window": 100}),
+                                        ("flash", "fwd+bwd", 1024, "bfloat16", {"docs": 8})]:
+        spec = {**base, "path": path, "series": path, "mode": mode, "n": n, "dtype": dtype, **extra}
+        measured = study.measure_point(spec)["peak_mib"]
+        predicted = sum(study.predicted_terms(spec, threads).values()) / 2**20
+        assert study.BAND[0] < measured / predicted < study.BAND[1], (spec, measured, predicted)
+
+
+def test_predict_prints_the_models_numbers_for_every_series_and_mode(capsys, monkeypatch):
+    monkeypatch.setattr(study, "measure_matmul", lambda spec: {"tflops": 0.5})  # this machine's rate, measured
+    study.main(["--predict", "--device", "cuda", "--lengths", "4096,32768", "--batch", "8", "--heads", "16",
+                "--head-dim", "128", "--dtype", "bfloat16", "--mem-budget", "80"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "nothing measured" in lines[0] and "0.500 TFLOP/s" in lines[0]
+    series = {s.name: s for s in study.default_series(torch.device("cuda"), False, 256, gpus=4)}
+    assert len(lines) == 1 + 2 * 2 * len(series)  # every series and mode, at both lengths
+    for line in lines[1:]:
+        name, mode, n = line.split()[:3]
+        s = series[name]
+        point = {"device": "cuda", "dtype": "bfloat16", "series": name, "path": s.path, "mode": mode,
+                 "causal": s.causal, "window": s.window, "docs": s.docs, "B": 8, "H": 16, "D": 128,
+                 "n": int(n[2:]), "world": s.world, "chunk_size": None}
+        terms = study.predicted_terms(point)
+        peak, flops = sum(terms.values()), study.computed_flops(point)
+        assert f"peak {study._size(peak):>10}" in line
+        assert f"fits {'yes' if peak + study.input_bytes(point) <= 80 * 2**30 else 'no'}" in line
+        assert f"{flops:9.3g} FLOPs" in line and f"time >= {flops / s.world / 0.5e12:.3g} s" in line
+        assert f"largest: {max(terms, key=terms.get)}" in line
+    naive = next(line for line in lines if line.startswith("naive ") and "fwd " in line and "n=32768" in line)
+    # its S and P, two (8, 16, 32768, 32768) bfloat16 matrices: 2 x 256 GiB, beside an output of 1 GiB
+    assert "peak  513.0 GiB  fits no" in naive
+
+
 def test_growth_exponent_removes_the_constant():
     ns = [512, 1024, 2048, 4096]
-    assert abs(study.growth_exponent(ns, [40.0 + 3 * n for n in ns]) - 1.0) < 1e-9
-    assert abs(study.growth_exponent(ns, [40.0 + n**2 / 7 for n in ns]) - 2.0) < 1e-9
+
+    def growth(ys, ns=ns):
+        return study.supported_exponent(ns, ys, (0.0, 0.0), growth=True)
+    assert growth([40.0 + 3 * n for n in ns]) == pytest.approx(1.0, abs=1e-9)
+    assert growth([40.0 + n**2 / 7 for n in ns]) == pytest.approx(2.0, abs=1e-9)
     assert study.fit_exponent(ns, [400.0 + 3 * n for n in ns]) < 0.95  # what the plain slope would say
-    assert abs(study.growth_exponent(ns, [400.0 + 3 * n for n in ns]) - 1.0) < 1e-9
-    assert math.isnan(study.growth_exponent([512, 1024, 4096], [1.0, 2.0, 3.0]))  # not geometric
-    assert math.isnan(study.growth_exponent(ns, [5.0, 4.0, 3.0, 2.0]))  # not growing
+    assert growth([400.0 + 3 * n for n in ns]) == pytest.approx(1.0, abs=1e-9)
+    assert growth([1.0, 2.0, 3.0, 4.0], ns=[512, 1024, 4096, 8192]) is None  # not geometric
+    assert growth([5.0, 4.0, 3.0, 2.0]) is None  # not growing
 
 
 def test_fit_exponent():
@@ -1843,6 +1939,8 @@ def test_study_end_to_end_measures_real_memory(tmp_path):
     assert float(naive["peak_mib"]) == pytest.approx(2 * scores_mib + out_mib, abs=0.15)
     assert float(naive["rss_mib"]) >= 1.8 * scores_mib  # the OS saw it too
     assert float(rows[("chunked", 512)]["peak_mib"]) < float(naive["peak_mib"]) / 2
+    assert float(naive["predicted_mib"]) == pytest.approx(2 * scores_mib + out_mib, abs=0.05)  # the model's count
+    assert "## Measured over predicted" in (tmp_path / "summary.md").read_text()
     assert rows[("flash", 512)]["kernel"] == "flash"
     assert "Claims checked" in (tmp_path / "summary.md").read_text()
     packed = rows[("chunked-packed32", 4096)]  # 32 documents: chunked computes a fraction of the pairs
@@ -1861,6 +1959,7 @@ def test_study_measures_a_ring_series_across_two_processes(tmp_path):
     ring = rows[("ring2", 256)]
     assert ring["world"] == "2" and ring["kernel"] == "ring" and 0 <= float(ring["comm_ms"]) <= float(ring["ms"])
     assert rows[("chunked", 256)]["comm_ms"] == "" and rows[("chunked", 256)]["world"] == "1"
+    assert study.BAND[0] < float(ring["peak_mib"]) / float(ring["predicted_mib"]) < study.BAND[1]  # per rank
     assert "| ring2 (P=2) | fwd+bwd | 256 |" in (tmp_path / "summary.md").read_text()
 
 
