@@ -155,44 +155,59 @@ def naive_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, masked):
     return {**terms, "mask (Lq, Lk) bool": Lq * Lk} if masked else terms
 
 
-def _block_memory(B, H, cq, ck, Lk, Dv, itemsize, blocks, low, cpu):
-    """`blocks` (cq, ck) blocks of scores alive in float32 while the next block is computed, or where a
-    query block visits one key block only (Lk <= ck), half of them beside a product (cq, Dv); for 16-bit
-    inputs also `low` blocks rounded to their dtype, which a CPU multiplies as float32 copies (_matmul)."""
+def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies):
+    """The blocks of one block of query rows at its heaviest moment (attend_block, attend_block_backward).
+
+    (cq, ck) blocks of scores in float32: S_j and P_j, and in the backward dP_j; a block lives until its
+    name is rebound, so with `several` key blocks those of step j - 1 are still alive while step j
+    computes its own (the backward's dS_j is P_j, updated in place, and keeps it). 16-bit inputs add
+    blocks rounded to their dtype (P_j and dS_j, for the products), which a CPU multiplies as float32
+    copies (`copies`: _matmul), beside float32 copies of the operands (rows of q or dout, key blocks of
+    k or v) and the products. Each phase: (float32 blocks, 16-bit blocks, bytes of copies and products).
+    """
     acc = max(itemsize, 4)
-    if Lk <= ck:
-        blocks //= 2
-    terms = {f"{blocks} blocks of scores (B, H, cq, ck) float32": blocks * B * H * cq * ck * acc}
-    if Lk <= ck:
-        terms["a product (B, H, cq, Dv) float32"] = B * H * cq * Dv * acc
-    if itemsize < 4:
-        terms[f"{low} blocks in the inputs' dtype"] = low * B * H * cq * ck * itemsize
-        if cpu:
-            terms["an operand block as float32 (B, H, ck, Dv)"] = B * H * ck * Dv * 4
+    block, low = B * H * cq * ck * acc, B * H * cq * ck * itemsize * (itemsize < 4)
+    rows, cols = B * H * cq * 4, B * H * ck * 4  # float32 bytes of one column of a row block, a key block
+    if mode == "fwd" and copies:
+        phases = [(1 + several, 0, rows * D + cols * D),  # S_j = Q K_j^T beside P_{j-1}
+                  (2, 1, cols * Dv), (2, 0, cols * Dv + rows * Dv)]  # P_j V_j, P_j taken low and back to float32
+    elif mode == "fwd":
+        phases = [(1 + several, 0, 0), (1, 1, rows * Dv)]  # S_j beside P_{j-1}; P_j V_j (P_j low if 16-bit)
+    elif copies and several:  # dP_j computed beside the pair of step j - 1; P_j^T dO; dS_j K_j
+        phases = [(4, 1, rows * Dv + cols * Dv), (4, 2, rows * Dv), (3, 1, cols * D + rows * D)]
+    elif copies:
+        phases = [(2, 0, rows * Dv + cols * Dv), (3, 1, rows * Dv), (3, 1, cols * D + rows * D)]
+    else:
+        phases = [(4, 1, 0)] if several else [(2, 1, max(cols * Dv, rows * D))]  # a product beside P_j, dP_j
+    blocks, lows, extra = max(phases, key=lambda ph: ph[0] * block + ph[1] * low + ph[2])
+    terms = {f"{blocks} blocks of scores (B, H, cq, ck) float32": blocks * block,
+             "products, and float32 copies of 16-bit operands": extra}
+    if low:
+        terms[f"{lows} blocks in the inputs' dtype"] = lows * low
     return terms
 
 
-def chunked_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, cq, ck, docs=False, cpu=True):
-    """chunked_attention: linear in the lengths, plus a few (cq, ck) blocks.
+def chunked_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, cq, ck, docs=False, copies=False):
+    """chunked_attention: linear in the lengths, plus a few (cq, ck) blocks (_block_memory).
 
-    fwd: out, per query m and log2(l), and for one block of query rows at a time its running output o
-    and two blocks of scores: S_j and the block before it (Python frees a block only when its name is
-    rebound). fwd+bwd: out, dQ, dK, dV accumulated in float32, m and log2(l) with the zero gradients
-    autograd gives them, and four blocks: P_j, dP_j and the pair before them; 16-bit inputs end with
-    dQ, dK, dV also rounded to their dtype. Documents add their ids and positions (documents()).
+    fwd: out, per query m and log2(l), and the running output o of one block of query rows. fwd+bwd:
+    out, dQ, dK, dV accumulated in float32, m and log2(l) with the zero gradients autograd gives them;
+    16-bit inputs end with dQ, dK, dV in float32 and rounded to their dtype at once. Documents add
+    their ids and positions (documents()). copies: 16-bit products through float32 copies (CPU).
     """
     acc, cq, ck = max(itemsize, 4), min(cq, Lq), min(ck, Lk)
     stats = B * H * Lq * acc
     terms = {"out (B, H, Lq, Dv)": B * H * Lq * Dv * itemsize}
     if docs:
         terms["document ids and positions (2, L) int64"] = 2 * Lq * 8
+    blocks = _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, Lk > ck, copies)
     if mode == "fwd":
         return {**terms, "m, log2(l) (B, H, Lq)": 2 * stats, "o (B, H, cq, Dv) float32": B * H * cq * Dv * acc,
-                **_block_memory(B, H, cq, ck, Lk, Dv, itemsize, 2, 1, cpu)}
+                **blocks}
     grads = B * H * (Lq * D + Lk * D + Lk * Dv)
     terms.update({"dQ, dK, dV float32": grads * acc, "m, log2(l) and their gradients (B, H, Lq)": 4 * stats})
-    loop = {**terms, **_block_memory(B, H, cq, ck, Lk, Dv, itemsize, 4, 2, cpu)}
-    return _heaviest(loop, {**terms, "dQ, dK, dV in the inputs' dtype": grads * itemsize}) if itemsize < 4 else loop
+    end = {**terms, "dQ, dK, dV in the inputs' dtype": grads * itemsize} if itemsize < 4 else {}
+    return _heaviest({**terms, **blocks}, end)
 
 
 def _r(x, multiple):
@@ -207,18 +222,18 @@ def flash_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, kernel, masked, threads=1)
       documents reach SDPA as our bool (Lq, Lk) mask, which SDPA converts to a bias in the inputs' dtype.
     - CPU (cpu/FlashAttentionKernel.cpp): `threads` buffers of a (qs, ks) block of scores with its row
       max, sum and output rows, float32 (qs = 32, 64 or 256 query rows as Lq grows, ks = 512 keys), and
-      16-bit inputs the block in their dtype; the backward holds a P and a dP block per thread and
+      for 16-bit inputs the block in their dtype; the backward holds a P and a dP block per thread and
       copies dout into the (B, Lq, H, Dv) layout it computes in.
-    - CUDA flash (cuda/flash_attn/flash_api.cpp): the backward copies dout and out into its layout,
-      and accumulates dQ in float32 (B, Lq rounded to 128, H, D rounded to 32) beside softmax_d.
-    - CUDA efficient (cuda/mem_eff_attention): the logsumexp padded to 32 rows (training only), a
-      float32 output accumulator for D > 128; the backward copies dout and holds delta (B, H, Lq) and
-      a float32 workspace for dQ, about (B, H, Lq, D) rounded to its blocks.
-    - cuDNN (cudnn/MHA.cpp): softmax statistics (B, H, Lq) float32 (training only); its workspace is
-      cuDNN's own choice at run time and is not modelled.
+    - CUDA, read from the source and not yet checked on a GPU. flash (cuda/flash_attn/flash_api.cpp):
+      the backward copies dout into its layout and accumulates dQ in float32 (B, Lq rounded to 128, H, D
+      rounded to 32) beside softmax_d. efficient (cuda/mem_eff_attention): the logsumexp padded to 32
+      rows (training only), a float32 output accumulator for 16-bit outputs with D > 128; the backward
+      copies dout and holds delta (B, H, Lq) and a float32 workspace for dQ, about (B, H, Lq, D) rounded
+      to its blocks. cuDNN (cudnn/MHA.cpp): softmax statistics (B, H, Lq) float32 (training only), and a
+      workspace of cuDNN's own choice that is not modelled.
     """
     out, lse, low = B * H * Lq * Dv * itemsize, B * H * Lq * 4, itemsize < 4
-    grads = {"dQ, dK, dV": B * H * (Lq * D + Lk * D + Lk * Dv) * itemsize}
+    grads = {"dQ, dK, dV": B * H * (Lq * D + Lk * D + Lk * Dv) * itemsize, "dout in the kernel's layout": out}
     mask = {"mask as a bias (Lq, Lk)": Lq * Lk * itemsize} if masked else {}
     if kernel == "cpu":
         qs, ks = min(Lq, 32 if Lq < 192 else 64 if Lq < 768 else 256), min(Lk, 512)
@@ -226,92 +241,104 @@ def flash_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, kernel, masked, threads=1)
         fwd = {"out (B, H, Lq, Dv)": out, "logsumexp (B, H, Lq) float32": lse, **mask,
                "per-thread blocks (qs, ks) and rows": threads * per_thread}
         bwd = {"out (B, H, Lq, Dv)": out, "logsumexp (B, H, Lq) float32": lse, **mask, **grads,
-               "dout in the kernel's layout": out,
                "per-thread P and dP blocks": threads * 2 * qs * ks * (4 + low * itemsize)}
     else:
         training = mode == "fwd+bwd"
         stats = {"flash": lse, "efficient": B * H * _r(Lq, 32) * 4 * training, "cudnn": lse * training}[kernel]
         fwd = {"out (B, H, Lq, Dv)": out, "logsumexp (B, H, Lq) float32": stats, **mask}
-        if kernel == "efficient" and Dv > 128:
+        if kernel == "efficient" and low and Dv > 128:
             fwd["output accumulator float32"] = B * H * Lq * Dv * 4
         bwd = {**fwd, **grads}
         if kernel == "flash":
-            bwd.update({"dout and out in the kernel's layout": 2 * out,
-                        "dQ accumulator float32, softmax_d": B * _r(Lq, 128) * H * (_r(D, 32) + 1) * 4})
+            bwd["dQ accumulator float32, softmax_d"] = B * _r(Lq, 128) * H * (_r(D, 32) + 1) * 4
         elif kernel == "efficient":
             block = 64 if D <= 64 else 128
-            bwd.update({"dout in the kernel's layout": out,
-                        "delta, dQ workspace float32": B * H * (Lq + _r(Lq, block) * _r(D, block)) * 4})
+            bwd["delta, dQ workspace float32"] = B * H * (Lq + _r(Lq, block) * _r(D, block)) * 4
     if masked:
         fwd["mask (Lq, Lk) bool"] = Lq * Lk
     return fwd if mode == "fwd" else _heaviest(fwd, bwd)
 
 
-def ring_memory(B, H, n, D, Dv, itemsize, mode, P, cq, ck, cpu=True):
-    """ring_attention on one of P ranks, each holding s = n / P of the queries, keys and values.
+def ring_memory(B, H, n, D, Dv, itemsize, mode, P, cq, ck, copies=False):
+    """ring_attention on one of P ranks, each holding n / P of the queries, keys and values.
 
-    The K/V blocks in flight: the one being computed on and the one arriving, and while a pass starts
-    also the one the previous send still holds (at most P - 1; the rank's own inputs not counted).
-    fwd: the running output o and m, l, and two blocks of scores. fwd+bwd: out (float32, saved), dQ,
-    m and log2(l); dK/dV pairs in float32: this rank's share, those that arrived and those being sent,
-    and while a pass starts the share before; four blocks of scores while computing.
+    K/V blocks: the one being computed on and the one arriving, and while a pass starts also the one
+    the previous step's send request still references (at most P - 1 pairs; the rank's own inputs not
+    counted). fwd: the running output o, m and l, and the blocks of scores (_block_memory). fwd+bwd: out
+    (float32, saved), dQ, m and log2(l); dK/dV pairs in float32: this step's share, those that arrived
+    and those being sent, and while a pass starts also the share before, which views of it still hold.
     """
-    acc, s = max(itemsize, 4), n // P
-    cq, ck = min(cq, s), min(ck, s)
-    kv, dkv = B * H * s * (D + Dv) * itemsize, B * H * s * (D + Dv) * acc
-    base = {"o or out (B, H, s, Dv) float32": B * H * s * Dv * acc, "m, l (B, H, s)": 2 * B * H * s * acc}
+    acc, shard = max(itemsize, 4), n // P
+    cq, ck = min(cq, shard), min(ck, shard)
+    kv, dkv = B * H * shard * (D + Dv) * itemsize, B * H * shard * (D + Dv) * acc
+    base = {"o or out (B, H, n/P, Dv) float32": B * H * shard * Dv * acc, "m, l (B, H, n/P)": 2 * B * H * shard * acc}
+    blocks = _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, shard > ck, copies)
     if mode == "fwd":
         passing = {**base, "K, V blocks": min(P - 1, 3) * kv}
-        computing = {**base, "K, V blocks": min(P - 1, 2) * kv,
-                     **_block_memory(B, H, cq, ck, s, Dv, itemsize, 2, 1, cpu)}
-        return _heaviest(passing, computing)
-    base["dQ (B, H, s, D) float32"] = B * H * s * D * acc
+        return _heaviest(passing, {**base, "K, V blocks": min(P - 1, 2) * kv, **blocks})
+    base["dQ (B, H, n/P, D) float32"] = B * H * shard * D * acc
     if itemsize < 4:
-        base["out in the inputs' dtype"] = B * H * s * Dv * itemsize
+        base["out in the inputs' dtype"] = B * H * shard * Dv * itemsize
     passing = {**base, "K, V blocks": min(P - 1, 3) * kv, "dK, dV blocks float32": 4 * dkv}
-    computing = {**base, "K, V blocks": min(P - 1, 2) * kv, "dK, dV blocks float32": 3 * dkv,
-                 **_block_memory(B, H, cq, ck, s, Dv, itemsize, 4, 2, cpu)}
-    return _heaviest(passing, computing)
+    return _heaviest(passing, {**base, "K, V blocks": min(P - 1, 2) * kv, "dK, dV blocks float32": 3 * dkv, **blocks})
+
+
+def _masked(point):
+    """Whether a point's mask reaches the paths as an (n, n) tensor: documents, causality for naive, or a
+    window, which builds its mask (with causality in it) unless it hides nothing (mask_block)."""
+    p = point
+    window = p["window"] is not None and (p["window"] < p["n"] - 1 or p["causal"])
+    return bool(p.get("docs") or window or (p["causal"] and p["path"] == "naive"))
 
 
 def sdpa_kernel(point):
-    """The fused kernel a flash point runs: the one measured or forced, else the one SDPA picks for the
-    inputs on CUDA (FlashAttention takes no mask and no float32), and "cpu" on a CPU."""
-    if point["path"] in SDPA_SERIES:
-        return SDPA_SERIES[point["path"]]
-    if point["device"].startswith("cpu"):
+    """The fused kernel a flash point runs: the one measured or forced, "cpu" on a CPU, else a guess at
+    what SDPA picks on CUDA (FlashAttention takes no mask, 16-bit only, D <= 256; SDPA's own choice also
+    depends on the GPU and the torch version). None where no model applies: the math kernel, a forced
+    FlashAttention kernel in float32, or a kernel torch could not name."""
+    p = point
+    if p["path"] in SDPA_SERIES:
+        forced = SDPA_SERIES[p["path"]]
+        return None if forced == "flash" and p["dtype"] == "float32" else forced
+    if p.get("kernel"):
+        return {"flash": "cpu" if p["device"].startswith("cpu") else "flash"}.get(
+            p["kernel"], p["kernel"] if p["kernel"] in ("efficient", "cudnn") else None)
+    if p["device"].startswith("cpu"):
         return "cpu"
-    if point.get("kernel") in ("flash", "efficient", "cudnn"):
-        return point["kernel"]
-    return "efficient" if point["window"] or point.get("docs") or point["dtype"] == "float32" else "flash"
+    return "efficient" if _masked(p) or p["dtype"] == "float32" or p["D"] > 256 else "flash"
 
 
 def predicted_terms(point, threads=None):
-    """{term: bytes} of a point's peak above its inputs (a study point: path, device, dtype, mode, B, H,
-    n, D, causal, window, docs, world). threads: a CPU's (default: this process's). On CUDA every tensor
-    takes whole blocks of 512 bytes from the caching allocator, and so counts here; a block over 1 MiB
-    may also be counted whole when the allocator does not split it (up to 1 MiB more, not predicted)."""
+    """{term: bytes} of a point's peak above its inputs, or None where no model applies (sdpa_kernel). A
+    study point: path, device, dtype, mode, B, H, n, D, causal, window, docs, world (and the measured
+    kernel, if any). threads: a CPU's (default: this process's). On CUDA each term is rounded up to the
+    caching allocator's 512-byte blocks; one over 1 MiB may also be counted whole when the allocator does
+    not split it, up to 1 MiB more per block, which is not predicted."""
     p, cpu = point, point["device"].startswith("cpu")
     B, H, n, D, mode = p["B"], p["H"], p["n"], p["D"], p["mode"]
     itemsize = getattr(torch, p["dtype"]).itemsize
-    masked = bool(p["window"] is not None and p["window"] < n - 1 or p.get("docs"))  # a mask that hides some key
+    copies = itemsize < 4 and (cpu or not mt._BMM_OUT_DTYPE)  # 16-bit products through float32 copies
     if p["path"] == "naive":
-        terms = naive_memory(B, H, n, n, D, D, itemsize, mode, masked or p["causal"])
+        terms = naive_memory(B, H, n, n, D, D, itemsize, mode, _masked(p))
     elif p["path"] == "chunked":
-        terms = chunked_memory(B, H, n, n, D, D, itemsize, mode, *chunk_sizes(p), bool(p.get("docs")), cpu)
-    elif p["path"] == "ring":
-        terms = ring_memory(B, H, n, D, D, itemsize, mode, p["world"], *chunk_sizes(p), cpu)
+        terms = chunked_memory(B, H, n, n, D, D, itemsize, mode, *chunk_sizes(p), bool(p.get("docs")), copies)
+    elif p["path"] == "ring":  # its blocks are always the device's default
+        terms = ring_memory(B, H, n, D, D, itemsize, mode, p["world"], *chunk_sizes({**p, "chunk_size": None}), copies)
+    elif kernel := sdpa_kernel(p):
+        terms = flash_memory(B, H, n, n, D, D, itemsize, mode, kernel, _masked(p), threads or torch.get_num_threads())
     else:
-        threads = threads or torch.get_num_threads()
-        terms = flash_memory(B, H, n, n, D, D, itemsize, mode, sdpa_kernel(p), masked, threads)
+        return None
     return terms if cpu else {name: _r(size, 512) for name, size in terms.items()}
 
 
 def input_bytes(point):
-    """q, k, v, and dout for fwd+bwd: what a point holds before its call (and what its budget also holds)."""
+    """q, k, v, and dout for fwd+bwd: what a point holds before its call (a ring's rank: its shard)."""
     p = point
     tensors = 4 if p["mode"] == "fwd+bwd" else 3
-    return tensors * p["B"] * p["H"] * p["n"] * p["D"] * getattr(torch, p["dtype"]).itemsize
+    return tensors * p["B"] * p["H"] * (p["n"] // p.get("world", 1)) * p["D"] * getattr(torch, p["dtype"]).itemsize
+
+
+CHECKED_MIB, BAND = 16.0, (0.85, 1.15)  # the model holds within BAND at every CPU point of CHECKED_MIB or more
 
 
 # -----------------------------------------------------------------------------
@@ -710,9 +737,10 @@ def _warm_up_cpu():
 def _cap_address_space(budget_bytes):
     """Out of memory above budget_bytes more than this process holds now (RLIMIT_AS): an allocation
     error, recorded, instead of the OS's OOM killer or swapping. Set again before every point, as a
-    GPU's memory is empty at the start of each. What malloc kept from earlier points is returned to
-    the OS first (malloc_trim), so that it neither counts nor lends the point room beyond the budget.
-    Address space also counts thread stacks and malloc's arenas, some tens of MiB."""
+    GPU's memory is empty at the start of each. What malloc can give back of earlier points' memory
+    goes back first (malloc_trim); free chunks it keeps still count in the address space and may be
+    reused beyond the budget, and thread stacks and new arenas count against it: the budget holds to
+    some tens of MiB."""
     if libc := _libc():
         libc.malloc_trim(0)
     limit, hard = _proc_kib("VmSize") * 1024 + budget_bytes, resource.getrlimit(resource.RLIMIT_AS)[1]
@@ -923,11 +951,18 @@ class CsvLog:
         self.f.close()
 
 
+def predicted_mib(point, threads=None):
+    """The model's peak above the inputs in MiB, or None where no model applies."""
+    terms = predicted_terms(point, threads)
+    return None if terms is None else sum(terms.values()) / MIB
+
+
 def sweep(points, runner, log, done, ceiling, threads, say=print, predict_wall=False):
     """Measure every point not in `done`; OOM stops that curve, any other error stops the run.
 
     predict_wall: no limit holds the worker to its budget (an OS without RLIMIT_AS), so a point whose
-    predicted peak (predicted_terms) and inputs exceed the budget is recorded as out of memory unrun.
+    predicted peak and inputs, times the model's band (BAND[1]: the most it may be off), exceed the
+    budget is recorded as out of memory without running.
     """
     stopped = set()  # (series, mode) that ran out of memory, or is unsupported, at a smaller n
     for i, p in enumerate(points, 1):
@@ -940,20 +975,23 @@ def sweep(points, runner, log, done, ceiling, threads, say=print, predict_wall=F
             log.write({**base, "status": "skipped: oom or unsupported at smaller n"})
             continue
         try:
-            need = (sum(predicted_terms(p, threads).values()) + input_bytes(p)) / MIB
-            if predict_wall and need > 1024 * float(p["mem_budget_gib"]):
-                raise PointOOM(f"predicted: {need:.0f} MiB with the inputs > the budget (no RLIMIT_AS here)")
+            if predict_wall and (need := predicted_mib(p, threads)) is not None:
+                need = BAND[1] * (need + input_bytes(p) / MIB)
+                if need > 1024 * float(p["mem_budget_gib"]):
+                    raise PointOOM(f"predicted: {need:.0f} MiB with the inputs and the model's margin > the "
+                                   "budget (no RLIMIT_AS here)")
             r = runner(p)
-            predicted = sum(predicted_terms({**p, "kernel": r["kernel"]}, threads).values()) / MIB
+            predicted = predicted_mib({**p, "kernel": r["kernel"]}, threads)
             tflops = computed_flops(p) / (r["ms"] / 1e3) / 1e12
             row = {**base, "kernel": r["kernel"], "ms": f"{r['ms']:.3f}", "peak_mib": f"{r['peak_mib']:.1f}",
-                   "predicted_mib": f"{predicted:.1f}", "tflops": f"{tflops:.4f}",
+                   "predicted_mib": "" if predicted is None else f"{predicted:.1f}", "tflops": f"{tflops:.4f}",
                    "comm_ms": "" if r.get("comm_ms") is None else f"{r['comm_ms']:.3f}",
                    "rss_mib": "" if r.get("rss_mib") is None else f"{r['rss_mib']:.1f}",
                    "pct_matmul": f"{100 * tflops / ceiling:.1f}",
                    "pairs": f"{computed_pairs(p) / p['n'] ** 2:.4f}", "status": "ok"}
             rss = "" if r.get("rss_mib") is None else f", RSS {r['rss_mib']:.0f}"
-            say(f"{label}: {r['ms']:.1f} ms, {r['peak_mib']:.0f} MiB (predicted {predicted:.0f}{rss}) ({r['kernel']})")
+            model = "not modelled" if predicted is None else f"predicted {predicted:.0f}"
+            say(f"{label}: {r['ms']:.1f} ms, {r['peak_mib']:.0f} MiB ({model}{rss}) ({r['kernel']})")
         except PointOOM as e:
             stopped.add((p["series"], p["mode"]))
             row = {**base, "status": f"oom: {e}"[:120]}
@@ -1089,9 +1127,6 @@ def _table(header, rows):
         "| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
-CHECKED_MIB, BAND = 16.0, (0.85, 1.15)  # the model must hold within BAND at every CPU point of CHECKED_MIB or more
-
-
 def _over_predicted(r):
     return float(r["peak_mib"]) / max(float(r["predicted_mib"]), 1e-3)
 
@@ -1123,9 +1158,14 @@ def model_report(rows):
     lines += [""] + _table(["series", "mode"] + ns, [[s, m] + [cell(s, m, n) for n in ns] for s, m in curves])
     outside = [f"{r['series']} {r['mode']} n={r['n']} ({_over_predicted(r):.2f})" for r in checked
                if not BAND[0] <= _over_predicted(r) <= BAND[1]]
-    why = ("on CUDA the caching allocator may count a block over 1 MiB whole, up to 1 MiB more than asked"
-           if rows[0]["device"].startswith("cuda") else "not explained by the model: a defect to fix")
-    return lines + ["", f"Outside the band: {'; '.join(outside)}; {why}." if outside else "Outside the band: none."]
+    why = "not explained by the model: a defect to fix"
+    if rows[0]["device"].startswith("cuda"):
+        why = "not explained by the model; on CUDA the caching allocator may also count a block over 1 MiB whole"
+    lines += ["", f"Outside the band: {'; '.join(outside)}; {why}." if outside else "Outside the band: none."]
+    unmodelled = [f"{r['series']} {r['mode']} n={r['n']} ({r['kernel']})" for rs in curves.values() for r in rs
+                  if "predicted_mib" in r and not r["predicted_mib"]]
+    return lines + (["", "Not modelled (a kernel the model does not cover): " + "; ".join(unmodelled) + "."]
+                    if unmodelled else [])
 
 
 def report(rows):
@@ -1195,7 +1235,8 @@ def report(rows):
         if ns:
             lines += ["", f"{what}, measured side by side:", ""] + _table(["n", *MODES], [
                 [n] + [_ratio(_at(curves, a_name, m, n), _at(curves, b_name, m, n), "ms")
-                       if _at(curves, b_name, m, n) else "-" for m in MODES] for n in ns])
+                       if _at(curves, a_name, m, n) and _at(curves, b_name, m, n) else "-" for m in MODES]
+                for n in ns])
     rings = [key for key, rs in curves.items() if rs[0]["path"] == "ring"]
     if rings:
         lines += ["", "## Beyond one device", "",
@@ -1208,7 +1249,7 @@ def report(rows):
             for r in curves[(s, mode)]:
                 c = _at(curves, "chunked", mode, int(r["n"]))
                 table.append([f"{s} (P={r.get('world') or '?'})", mode, r["n"], f"{float(r['ms']):.1f}",
-                              f"{float(r['peak_mib']):.1f}", c["ms"] if c else "-", c["peak_mib"] if c else "-",
+                              f"{float(r['peak_mib']):.1f}", f"{float(c['ms']):.1f}" if c else "-", c["peak_mib"] if c else "-",
                               _ratio(r, c, "peak_mib"), _ratio(r, c, "ms"),
                               f"{float(r['comm_ms']) / float(r['ms']):.0%}" if r.get("comm_ms") else "-"])
         lines += _table(["series", "mode", "n", "ms", "per-rank peak MiB", "chunked ms", "chunked peak MiB",
@@ -1255,15 +1296,16 @@ def claims(curves, fits):
                      "the plain slope of the process RSS): " + ", ".join(
                          f"{s} {_exp(x['memory'])}" + (f" ({_exp(x['rss_slope'])})" if s in rss else "")
                          for s, x in e.items()) + ".")
-    one = naive_memory(1, 1, 2048, 2048, 64, 64, 4, "fwd", False)["S, P (B, H, Lq, Lk)"] // 2
+    one = 2048 * 2048 * 4  # bytes of one (2048, 2048) float32 matrix
     claim = (f"- \"At n=2048 one single-precision score matrix takes 16 GB\": one 2048 x 2048 float32 matrix is "
-             f"{one} bytes = {one / MIB:.0f} MiB, a thousandth of that; 16 GiB would be {16 * 2**30 // one} such "
-             "matrices (batch x heads = 1024, e.g. batch 32 x 32 heads).")
+             f"{one} bytes = {one / MIB:.0f} MiB, 1/1024 of 16 GiB (the claim reads MiB as GB); 16 GiB would be "
+             f"{16 * 2**30 // one} such matrices. The naive forward holds two per (batch, head), S and P "
+             "(naive_memory).")
     if r := _at(curves, "naive", "fwd", 2048):
         per = float(r["peak_mib"]) / (int(r["B"]) * int(r["H"]))
-        claim += (f" Measured: the naive forward at n=2048 ({r['dtype']}, B={r['B']}, H={r['H']}) peaks at "
-                  f"{float(r['peak_mib']):.0f} MiB above its inputs, {per:.1f} MiB per (batch, head) (scores and "
-                  f"softmax output), so it would reach 16 GiB at batch x heads = {16 * 1024 / per:.0f}.")
+        claim += (f" Measured: the naive forward at n=2048 ({r['dtype']}, B={r['B']}, H={r['H']}, D={r['D']}) peaks "
+                  f"at {float(r['peak_mib']):.0f} MiB above its inputs, {per:.1f} MiB per (batch, head) with its "
+                  f"output, so it would reach 16 GiB at batch x heads = {16 * 1024 / per:.0f}.")
     lines.append(claim)
     for mode in MODES:
         common = sorted({int(r["n"]) for r in curves.get(("naive", mode), [])} &
@@ -1377,7 +1419,7 @@ def configure(args, p):
         lengths = [256, 512, 1024]
     else:
         lengths = [2**i for i in (range(8, 15) if cpu else range(9, 16))]  # CPU 256..16384, CUDA 512..32768
-    caps = CPU_DEFAULT_CAPS if cpu and not args.lengths and not args.quick else None
+    caps = CPU_DEFAULT_CAPS if cpu and not args.lengths and not args.quick and not args.predict else None
     series = default_series(device, args.causal, args.window, caps, gpus=4 if args.predict else None)
     if args.series:  # a chunked series may carry its own blocks: chunked@256x512, chunked-causal@512
         known, chosen = {x.name: x for x in series}, []
@@ -1435,24 +1477,35 @@ def _size(nbytes):
 
 
 def predict(args, device, lengths, series, batch, modes):
-    """--predict: for every series and mode the model's peak, its FLOPs, whether it fits --mem-budget (the peak
-    and the inputs) and a time lower bound, FLOPs / the matmul rate of this machine, measured now."""
+    """--predict: for every series and mode the model's peak, its FLOPs, whether it fits --mem-budget (the
+    peak and the inputs) and, for the device this machine has, a time lower bound: the matmuls the path
+    does at the matmul rate measured now (naive's backward recomputes nothing: 3x its forward, not 3.5x)."""
     dtype = choose_dtype(args.dtype, device, True)
-    here = "cuda" if torch.cuda.is_available() else "cpu"
-    rate = measure_matmul({"device": here, "dtype": dtype, "N": 2048 if here == "cpu" else 8192, "seconds": 1.0})
     budget = args.mem_budget or (CPU_BUDGET_GIB if device.type == "cpu" else None)
+    here = device.type == "cpu" or torch.cuda.is_available()  # a device to measure a matmul rate on
+    bound = f"no time bound: no {device.type} here to measure"
+    if here:
+        cpu = device.type == "cpu"
+        rate = measure_matmul({"device": device.type, "dtype": dtype, "N": 2048 if cpu else 8192, "seconds": 1.0})
+        bound = f"time >= the matmuls at {rate['tflops']:.3f} TFLOP/s, this {device.type}'s {dtype} rate measured now"
     print(f"predicted for {device.type} (the memory model: nothing measured), {dtype}, H={args.heads}, "
           f"D={args.head_dim}{', causal' if args.causal else ''}: peak above the inputs q, k, v (and dout for "
-          f"fwd+bwd); fits: with the inputs, within {f'{budget:g} GiB' if budget else 'no budget given'}; "
-          f"time >= FLOPs / {rate['tflops']:.3f} TFLOP/s, this machine's {here} {dtype} matmul rate, measured now")
+          f"fwd+bwd); fits: with the inputs, within {f'{budget:g} GiB' if budget else 'no budget given'}; {bound}")
     for p in points(args, device.type, dtype, lengths, series, batch, modes):
-        terms = predicted_terms(p)
-        peak, largest = sum(terms.values()), max(terms, key=terms.get)
+        line = f"{p['series']:<17} {p['mode']:<7} n={p['n']:<6} B={p['B']:<3}"
+        kernel = f"; kernel {sdpa_kernel(p)}" if p["path"] not in ("naive", "chunked", "ring") else ""
+        if (terms := predicted_terms(p)) is None:
+            print(f"{line} not modelled: no kernel that the model covers can run it")
+            continue
+        peak, largest, flops = sum(terms.values()), max(terms, key=terms.get), computed_flops(p)
         fits = "-" if not budget else "yes" if peak + input_bytes(p) <= budget * 2**30 else "no"
-        flops = computed_flops(p)  # a ring's ranks share them: its peak and time are per rank
-        print(f"{p['series']:<17} {p['mode']:<7} n={p['n']:<6} B={p['B']:<3} peak {_size(peak):>10}  fits {fits:<3}  "
-              f"{flops:9.3g} FLOPs  time >= {flops / p['world'] / rate['tflops'] / 1e12:.3g} s  "
-              f"largest: {largest} ({terms[largest] / peak:.0%})")
+        time_ = ""
+        if here:  # a ring's ranks share this CPU, or take one GPU each
+            ways = 1 if cpu else min(p["world"], torch.cuda.device_count())
+            matmuls = flops * (3 / 3.5 if p["path"] == "naive" and p["mode"] == "fwd+bwd" else 1)
+            time_ = f"  time >= {matmuls / ways / rate['tflops'] / 1e12:.3g} s"
+        print(f"{line} peak {_size(peak):>10}  fits {fits:<3}  {flops:9.3g} FLOPs{time_}  "
+              f"largest: {largest} ({terms[largest] / peak:.0%}){kernel}")
 
 
 def compare(args, info, dtype, lengths, series, B, modes, runner, out, command):
