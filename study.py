@@ -1249,8 +1249,8 @@ def report(rows):
             for r in curves[(s, mode)]:
                 c = _at(curves, "chunked", mode, int(r["n"]))
                 table.append([f"{s} (P={r.get('world') or '?'})", mode, r["n"], f"{float(r['ms']):.1f}",
-                              f"{float(r['peak_mib']):.1f}", f"{float(c['ms']):.1f}" if c else "-", c["peak_mib"] if c else "-",
-                              _ratio(r, c, "peak_mib"), _ratio(r, c, "ms"),
+                              f"{float(r['peak_mib']):.1f}", f"{float(c['ms']):.1f}" if c else "-",
+                              c["peak_mib"] if c else "-", _ratio(r, c, "peak_mib"), _ratio(r, c, "ms"),
                               f"{float(r['comm_ms']) / float(r['ms']):.0%}" if r.get("comm_ms") else "-"])
         lines += _table(["series", "mode", "n", "ms", "per-rank peak MiB", "chunked ms", "chunked peak MiB",
                          "memory / chunked", "time / chunked", "communication"], table)
