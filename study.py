@@ -155,6 +155,11 @@ def naive_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, masked):
     return {**terms, "mask (Lq, Lk) bool": Lq * Lk} if masked else terms
 
 
+# CPython 3.11 on hands a call's arguments over to the callee, which frees one when it rebinds its name
+# (_matmul's a, b = a.float(), b.float()); before 3.11 the caller keeps it alive until the call returns.
+_ARGS_HANDED_OVER = sys.version_info >= (3, 11)
+
+
 def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies):
     """The blocks of one block of query rows at its heaviest moment (attend_block, attend_block_backward).
 
@@ -167,21 +172,24 @@ def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies):
     """
     acc = max(itemsize, 4)
     block, low = B * H * cq * ck * acc, B * H * cq * ck * itemsize * (itemsize < 4)
-    rows, cols = B * H * cq * 4, B * H * ck * 4  # float32 bytes of one column of a row block, a key block
+    rows, cols = B * H * cq * acc, B * H * ck * acc  # bytes of one column of a row block, of a key block
+    kept = 0 if _ARGS_HANDED_OVER else 1  # a 16-bit argument of _matmul still alive during its product
     if mode == "fwd" and copies:
         phases = [(1 + several, 0, rows * D + cols * D),  # S_j = Q K_j^T beside P_{j-1}
-                  (2, 1, cols * Dv), (2, 0, cols * Dv + rows * Dv)]  # P_j V_j, P_j taken low and back to float32
+                  (2, 1, cols * Dv), (2, kept, cols * Dv + rows * Dv)]  # P_j V_j: P_j low and back in float32
     elif mode == "fwd":
         phases = [(1 + several, 0, 0), (1, 1, rows * Dv)]  # S_j beside P_{j-1}; P_j V_j (P_j low if 16-bit)
-    elif copies and several:  # dP_j computed beside the pair of step j - 1; P_j^T dO; dS_j K_j
-        phases = [(4, 1, rows * Dv + cols * Dv), (4, 2, rows * Dv), (3, 1, cols * D + rows * D)]
-    elif copies:
-        phases = [(2, 0, rows * Dv + cols * Dv), (3, 1, rows * Dv), (3, 1, cols * D + rows * D)]
+    elif copies:  # dP_j (beside the pair of step j - 1), P_j^T dO, dS_j K_j and dS_j^T Q
+        p_then = 2 * several  # P_{j-1} (kept by dS's name) and dP_{j-1}, while dP_j is computed
+        phases = [(2 + p_then, several, rows * Dv + cols * Dv), (3 + several, 1 + several, rows * Dv),
+                  (3 + several, several + kept, rows * Dv + cols * Dv), (3, 1, rows * D + cols * D)]
+    elif several:
+        phases = [(4, 1, 0), (3, 2, cols * Dv)]
     else:
-        phases = [(4, 1, 0)] if several else [(2, 1, max(cols * Dv, rows * D))]  # a product beside P_j, dP_j
+        phases = [(2, 1, max(cols * Dv, rows * D, cols * D))]  # a product beside P_j and dP_j
     blocks, lows, extra = max(phases, key=lambda ph: ph[0] * block + ph[1] * low + ph[2])
     terms = {f"{blocks} blocks of scores (B, H, cq, ck) float32": blocks * block,
-             "products, and float32 copies of 16-bit operands": extra}
+             "products (and float32 copies of 16-bit operands)": extra}
     if low:
         terms[f"{lows} blocks in the inputs' dtype"] = lows * low
     return terms
@@ -223,7 +231,8 @@ def flash_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, kernel, masked, threads=1)
     - CPU (cpu/FlashAttentionKernel.cpp): `threads` buffers of a (qs, ks) block of scores with its row
       max, sum and output rows, float32 (qs = 32, 64 or 256 query rows as Lq grows, ks = 512 keys), and
       for 16-bit inputs the block in their dtype; the backward holds a P and a dP block per thread and
-      copies dout into the (B, Lq, H, Dv) layout it computes in.
+      copies dout into the (B, Lq, H, Dv) layout it computes in. On CPUs with AMX (Sapphire Rapids on) it
+      also packs 16-bit K and V into copies of their size, which are not modelled: none has run here.
     - CUDA, read from the source and not yet checked on a GPU. flash (cuda/flash_attn/flash_api.cpp):
       the backward copies dout into its layout and accumulates dQ in float32 (B, Lq rounded to 128, H, D
       rounded to 32) beside softmax_d. efficient (cuda/mem_eff_attention): the logsumexp padded to 32
@@ -962,7 +971,7 @@ def sweep(points, runner, log, done, ceiling, threads, say=print, predict_wall=F
 
     predict_wall: no limit holds the worker to its budget (an OS without RLIMIT_AS), so a point whose
     predicted peak and inputs, times the model's band (BAND[1]: the most it may be off), exceed the
-    budget is recorded as out of memory without running.
+    budget is recorded as out of memory without running (a point no model covers runs unguarded).
     """
     stopped = set()  # (series, mode) that ran out of memory, or is unsupported, at a smaller n
     for i, p in enumerate(points, 1):
@@ -1135,8 +1144,11 @@ def model_report(rows):
     """Measured over predicted, point by point, and the points outside the band."""
     curves = _ok_rows(rows)
     rated = [r for rs in curves.values() for r in rs if r.get("predicted_mib")]
+    unmodelled = [f"{r['series']} {r['mode']} n={r['n']} ({r['kernel']})" for rs in curves.values() for r in rs
+                  if "predicted_mib" in r and not r["predicted_mib"]]
+    said = ["", f"Not modelled (a kernel the model does not cover): {'; '.join(unmodelled)}."] if unmodelled else []
     if not rated:
-        return []
+        return said
     checked = [r for r in rated if float(r["peak_mib"]) >= CHECKED_MIB]
     ratios = sorted(_over_predicted(r) for r in checked)
     lines = ["", "## Measured over predicted", "",
@@ -1162,10 +1174,7 @@ def model_report(rows):
     if rows[0]["device"].startswith("cuda"):
         why = "not explained by the model; on CUDA the caching allocator may also count a block over 1 MiB whole"
     lines += ["", f"Outside the band: {'; '.join(outside)}; {why}." if outside else "Outside the band: none."]
-    unmodelled = [f"{r['series']} {r['mode']} n={r['n']} ({r['kernel']})" for rs in curves.values() for r in rs
-                  if "predicted_mib" in r and not r["predicted_mib"]]
-    return lines + (["", "Not modelled (a kernel the model does not cover): " + "; ".join(unmodelled) + "."]
-                    if unmodelled else [])
+    return lines + said
 
 
 def report(rows):
@@ -1487,7 +1496,8 @@ def predict(args, device, lengths, series, batch, modes):
     if here:
         cpu = device.type == "cpu"
         rate = measure_matmul({"device": device.type, "dtype": dtype, "N": 2048 if cpu else 8192, "seconds": 1.0})
-        bound = f"time >= the matmuls at {rate['tflops']:.3f} TFLOP/s, this {device.type}'s {dtype} rate measured now"
+        bound = (f"time >= the path's matmuls at {rate['tflops']:.3f} TFLOP/s, this {device.type}'s {dtype} rate "
+                 "measured now (FLOPs: FlashAttention's count, fwd+bwd 3.5x fwd; naive's backward does 3x)")
     print(f"predicted for {device.type} (the memory model: nothing measured), {dtype}, H={args.heads}, "
           f"D={args.head_dim}{', causal' if args.causal else ''}: peak above the inputs q, k, v (and dout for "
           f"fwd+bwd); fits: with the inputs, within {f'{budget:g} GiB' if budget else 'no budget given'}; {bound}")
