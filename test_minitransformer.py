@@ -1872,8 +1872,9 @@ def test_predict_prints_the_models_numbers_for_every_series_and_mode(capsys, mon
                 assert f"time >= {flops * naive_bwd / ways / 0.5e12:.3g} s" in line
             assert line.endswith(f"; kernel {study.sdpa_kernel(point)}") == (s.path not in ("naive", "chunked", "ring"))
         naive = next(line for line in lines if line.startswith("naive ") and "fwd " in line and "n=32768" in line)
-        # its S and P, two (8, 16, 32768, 32768) bfloat16 matrices: 2 x 256 GiB, beside an output of 1 GiB
-        assert "peak  513.0 GiB  fits no" in naive
+        # its S and P, two (8, 16, 32768, 32768) bfloat16 matrices (256 GiB each), beside its output
+        S_and_P, out = 2 * 8 * 16 * 32768**2 * 2, 8 * 16 * 32768 * 128 * 2
+        assert f"peak {study._size(S_and_P + out):>10}  fits no" in naive and "513.0 GiB" in naive
     study.main(["--predict", "--device", "cuda", "--lengths", "1024", "--dtype", "float32", "--series", "sdpa-flash"])
     assert capsys.readouterr().out.strip().splitlines()[1].endswith("not modelled: no kernel that the model covers "
                                                                     "can run it")  # FlashAttention takes no float32
