@@ -1874,7 +1874,7 @@ def test_predict_prints_the_models_numbers_for_every_series_and_mode(capsys, mon
         naive = next(line for line in lines if line.startswith("naive ") and "fwd " in line and "n=32768" in line)
         # its S and P, two (8, 16, 32768, 32768) bfloat16 matrices (256 GiB each), beside its output
         S_and_P, out = 2 * 8 * 16 * 32768**2 * 2, 8 * 16 * 32768 * 128 * 2
-        assert f"peak {study._size(S_and_P + out):>10}  fits no" in naive and "513.0 GiB" in naive
+        assert f"peak {study._size(S_and_P + out):>10}  fits no" in naive
     study.main(["--predict", "--device", "cuda", "--lengths", "1024", "--dtype", "float32", "--series", "sdpa-flash"])
     assert capsys.readouterr().out.strip().splitlines()[1].endswith("not modelled: no kernel that the model covers "
                                                                     "can run it")  # FlashAttention takes no float32
