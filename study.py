@@ -1122,8 +1122,8 @@ def plot(rows, out_dir, title):
 
 
 def _ratio(row, base, col):
-    """row[col] / base[col] as "1.23x"; "-" without a base row."""
-    return f"{float(row[col]) / max(float(base[col]), 1e-3):.2f}x" if base else "-"
+    """row[col] / base[col] as "1.23x"; "-" where either row is missing."""
+    return f"{float(row[col]) / max(float(base[col]), 1e-3):.2f}x" if row and base else "-"
 
 
 def _at(curves, series, mode, n):
@@ -1140,9 +1140,8 @@ def _over_predicted(r):
     return float(r["peak_mib"]) / max(float(r["predicted_mib"]), 1e-3)
 
 
-def model_report(rows):
-    """Measured over predicted, point by point, and the points outside the band."""
-    curves = _ok_rows(rows)
+def model_report(rows, curves):
+    """Measured over predicted, point by point (curves: _ok_rows(rows)), and the points outside the band."""
     rated = [r for rs in curves.values() for r in rs if r.get("predicted_mib")]
     unmodelled = [f"{r['series']} {r['mode']} n={r['n']} ({r['kernel']})" for rs in curves.values() for r in rs
                   if "predicted_mib" in r and not r["predicted_mib"]]
@@ -1243,9 +1242,7 @@ def report(rows):
                     {int(r["n"]) for m in MODES for r in curves.get((b_name, m), [])})
         if ns:
             lines += ["", f"{what}, measured side by side:", ""] + _table(["n", *MODES], [
-                [n] + [_ratio(_at(curves, a_name, m, n), _at(curves, b_name, m, n), "ms")
-                       if _at(curves, a_name, m, n) and _at(curves, b_name, m, n) else "-" for m in MODES]
-                for n in ns])
+                [n] + [_ratio(_at(curves, a_name, m, n), _at(curves, b_name, m, n), "ms") for m in MODES] for n in ns])
     rings = [key for key, rs in curves.items() if rs[0]["path"] == "ring"]
     if rings:
         lines += ["", "## Beyond one device", "",
@@ -1284,7 +1281,7 @@ def report(rows):
                               f"{float(r['peak_mib']):.1f}", _ratio(r, one, "ms"), _ratio(r, one, "peak_mib")])
         lines += _table(["series", "mode", "n", "visible pairs", "computed pairs", "ms", "peak MiB",
                          "time / one document", "memory / one document"], table)
-    return "\n".join(lines + model_report(rows) + ["", "## Claims checked", ""] + claims(curves, fits))
+    return "\n".join(lines + model_report(rows, curves) + ["", "## Claims checked", ""] + claims(curves, fits))
 
 
 def claims(curves, fits):

@@ -1880,6 +1880,14 @@ def test_predict_prints_the_models_numbers_for_every_series_and_mode(capsys, mon
                                                                     "can run it")  # FlashAttention takes no float32
 
 
+def test_a_side_by_side_ratio_with_one_side_missing_is_a_dash(tmp_path):
+    # flash out of memory forward+backward at n=128 while chunked ran: that cell has no ratio, the rest do
+    study.main(["--device", "cpu", "--lengths", "64,128", "--series", "flash,chunked", "--heads", "2", "--head-dim",
+                "16", "--out", str(tmp_path)],
+               runner=fake_runner([], oom=lambda s: s["series"] == "flash" and s["mode"] == "fwd+bwd" and s["n"] == 128))
+    assert "| 128 | 1.00x | - |" in (tmp_path / "summary.md").read_text()
+
+
 def test_a_point_no_model_covers_is_said_not_predicted(tmp_path):
     # SDPA's math kernel (what flash falls back to) has no model: its predicted_mib stays empty, and the
     # summary names the point rather than checking a fused kernel's formula against it
