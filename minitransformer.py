@@ -1,10 +1,31 @@
 """
-minitransformer: a Transformer encoder in one file, with three attention paths.
+minitransformer: a Transformer encoder in one file, read top-down like a short paper.
 
-Read it top-down: masks, the three attention paths (naive, chunked, flash), multi-head
-attention, positional encodings, the encoder layer, the config and the encoder, then the
-training loop and its command line; input checks come last, out of the algorithms' way.
-ring_attention.py continues the chunked path across devices.
+1. The core, between "core begins" and "core ends": standard attention and FlashAttention-2's
+   blockwise attention, forward and backward, in their plainest correct form. It needs only
+   `import math` and `import torch`: copy it into your own file.
+2. The hardened paths, each tested equal to the core: naive (the textbook formula with every
+   convention of PyTorch's F.scaled_dot_product_attention), chunked (the blockwise algorithm with
+   masks, windows, packed documents, dropout, FlashAttention-2's precision recipe, as one compiled
+   operator) and flash (PyTorch's fused kernels, never falling back silently).
+3. Multi-head attention, positional encodings, the encoder layer, the config and the encoder.
+4. Training on a task that needs attention (mixed precision, checkpoints, DDP), then the command line.
+ring_attention.py continues the chunked path across devices; study.py measures what each path costs.
+
+Where each idea of a Transformer tutorial lives:
+    scaled dot-product attention        standard_attention (core); naive_attention
+    multi-head attention                MultiHeadAttention (d_model % n_heads checked, small heads warned)
+    positional encodings                SinusoidalPositionalEncoding, LearnedPositionalEncoding, RotaryEmbedding
+    encoder layer: residuals, LayerNorm EncoderLayer (post-LN as in the paper, or pre-LN), Encoder
+    O(n^2) memory of the scores         standard_attention, naive_attention; measured by study.py
+    chunked computation                 blockwise_attention (core); chunked_attention
+    local (sliding-window) attention    window_size= of naive_attention, chunked_attention, flash_attention
+    FlashAttention                      blockwise_attention (the algorithm); flash_attention (PyTorch's kernels)
+    mixed precision                     _train (autocast), optimizer_step (GradScaler): --amp bf16 or fp16
+    gradient clipping                   optimizer_step: the gradients unscaled first, then clipped
+    learning-rate warm-up               lr_factor: linear warm-up, then cosine decay
+    label smoothing                     TrainConfig.label_smoothing (0.1, as in the paper)
+    attention heatmaps                  Encoder.attention_weights, save_heatmap
 
 References:
 1) Vaswani et al. 2017, "Attention Is All You Need": https://arxiv.org/abs/1706.03762
@@ -15,21 +36,6 @@ References:
    https://arxiv.org/abs/2002.04745
 5) Su et al. 2021, "RoFormer" (rotary positions): https://arxiv.org/abs/2104.09864
 6) Micikevicius et al. 2018, "Mixed Precision Training": https://arxiv.org/abs/1710.03740
-
-The attention paths share the signature and conventions of F.scaled_dot_product_attention (SDPA):
-- q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> out (B, H, Lq, Dv);
-- attn_mask broadcasts to (B, H, Lq, Lk). A bool mask is True where a query MAY attend (the
-  opposite of nn.MultiheadAttention's key_padding_mask); a float mask is added to the scores,
-  and only -inf masks a key; integer masks are refused, as SDPA refuses them;
-- is_causal: query i sees keys j <= i; with an attn_mask both apply (SDPA refuses the pair);
-- window_size=w: query i sees keys with |i - j| <= w (with is_causal: 0 <= i - j <= w);
-- cu_seqlens, packed documents (self-attention): query i sees only the keys of its own document;
-- a query whose keys are all masked gets a zero output and zero gradients, never NaN;
-- under autocast, float32 q, k, v are computed and returned in autocast's dtype, as by SDPA.
-In float16 and bfloat16 every path meets FlashAttention's rule: its error against float64 is at
-most twice that of standard attention computed in the inputs' dtype. Every module and path
-compiles with torch.compile(fullgraph=True) and reads no tensor value on the host in its
-forward or backward.
 """
 
 import argparse
@@ -49,13 +55,148 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
+# core begins
+# Attention in its plainest correct form, forward and backward. Conventions are those of PyTorch's
+# F.scaled_dot_product_attention: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv);
+# attn_mask is bool, True where a query may attend to a key, and broadcasts to (B, H, Lq, Lk) (a
+# key-padding mask is (B, 1, 1, Lk)); is_causal lets query i see keys j <= i, together with attn_mask.
+# A query that may see no key gets 0. float32 or float64.
+
+
+def visible(keep, is_causal, rows, cols, device):
+    """May the queries at positions `rows` see the keys at positions `cols` (two slices)? A bool mask
+    broadcastable to (B, H, rows, cols), True where they may, or None where every key is visible.
+    keep: the attn_mask as a (B, H, Lq, Lk) view, or None."""
+    mask = None if keep is None else keep[:, :, rows, cols]
+    if is_causal:
+        i = torch.arange(rows.start, rows.stop, device=device)[:, None]  # (rows, 1)
+        j = torch.arange(cols.start, cols.stop, device=device)[None, :]  # (1, cols)
+        mask = j <= i if mask is None else mask & (j <= i)
+    return mask
+
+
+def scores(q, k, keep, is_causal, rows, cols):
+    """S = Q K^T / sqrt(D) + M for queries `rows` and keys `cols`: (B, H, rows, cols), with
+    M = 0 where a query may see a key and -inf where it may not (never -1e9: it overflows float16)."""
+    s = q[:, :, rows] @ k[:, :, cols].transpose(-2, -1) / math.sqrt(q.size(-1))
+    mask = visible(keep, is_causal, rows, cols, q.device)
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+
+def standard_attention(q, k, v, attn_mask=None, is_causal=False):
+    """Attention(Q, K, V) = softmax(Q K^T / sqrt(D) + M) V.
+
+    The scores exist whole: B * H * Lq * Lk numbers, the memory that blockwise_attention saves.
+    """
+    s = scores(q, k, _keep(attn_mask, q, k), is_causal, slice(0, q.size(-2)), slice(0, k.size(-2)))
+    p = torch.softmax(s, dim=-1)  # (B, H, Lq, Lk)
+    p = p.masked_fill(torch.isneginf(s).all(-1, keepdim=True), 0.0)  # no key visible: 0, not softmax's NaN
+    return p @ v
+
+
+class BlockwiseAttention(torch.autograd.Function):
+    """FlashAttention-2 (Dao 2023): softmax(Q K^T / sqrt(D) + M) V in blocks, never holding the scores.
+
+    Forward (its Algorithm 1). Each block of queries Q_i visits the blocks of keys K_j, V_j it may see,
+    keeping per query a running row max m, a normaliser l and an unnormalised output o:
+
+        S = Q_i K_j^T / sqrt(D) + M,   m' = max(m, rowmax(S)),   P = exp(S - m'),
+        l' = exp(m - m') l + rowsum(P),   o' = exp(m - m') o + P V_j,   and at the end O_i = o / l.
+
+    Backward (Algorithm 2). P is recomputed from the logsumexp L = m + log(l) kept per query:
+
+        P = exp(S - L),   dV_j += P^T dO_i,   dP = dO_i V_j^T,   dS = P * (dP - rowsum(dO_i * O_i)),
+        dQ_i += dS K_j / sqrt(D),   dK_j += dS^T Q_i / sqrt(D).
+
+    So memory is linear in the length: per query m, l, o (and L), per block one (rows, cols) tile.
+    With is_causal the blocks of keys that lie wholly after a block of queries are skipped.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, keep, is_causal, block_size):
+        B, H, Lq, _ = q.shape
+        Lk = k.size(-2)
+        out = q.new_empty(B, H, Lq, v.size(-1))
+        lse = q.new_empty(B, H, Lq, 1)  # L = m + log(l), per query
+        for rows in _blocks(Lq, block_size):
+            m = q.new_full((B, H, rows.stop - rows.start, 1), float("-inf"))
+            l = torch.zeros_like(m)
+            o = q.new_zeros(B, H, rows.stop - rows.start, v.size(-1))
+            for cols in _blocks(min(Lk, rows.stop) if is_causal else Lk, block_size):  # causal: keys j < rows.stop
+                s = scores(q, k, keep, is_causal, rows, cols)  # (B, H, rows, cols)
+                m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+                m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # no key seen yet: exp(-inf) = 0, not NaN
+                p = torch.exp(s - m_safe)
+                alpha = torch.exp(m - m_safe)  # rescales what was summed under the old max
+                l = alpha * l + p.sum(-1, keepdim=True)
+                o = alpha * o + p @ v[:, :, cols]
+                m = m_new
+            out[:, :, rows] = o / l.masked_fill(l == 0, 1.0)  # a query that saw no key: o = 0, so 0
+            lse[:, :, rows] = (m + torch.log(l)).masked_fill(l == 0, float("inf"))  # and P = exp(-inf) = 0
+        ctx.save_for_backward(q, k, v, out, lse, keep)
+        ctx.is_causal, ctx.block_size = is_causal, block_size
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, keep = ctx.saved_tensors
+        size, scale = ctx.block_size, 1.0 / math.sqrt(q.size(-1))
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO * O), (B, H, Lq, 1)
+        for cols in _blocks(k.size(-2), size):  # keys outside, as in Algorithm 2: dK_j, dV_j summed in place
+            first = cols.start // size if ctx.is_causal else 0  # causal: the query blocks that reach these keys
+            for rows in _blocks(q.size(-2), size)[first:]:
+                p = torch.exp(scores(q, k, keep, ctx.is_causal, rows, cols) - lse[:, :, rows])  # (B, H, rows, cols)
+                dv[:, :, cols] += p.transpose(-2, -1) @ dout[:, :, rows]
+                dp = dout[:, :, rows] @ v[:, :, cols].transpose(-2, -1)
+                ds = p * (dp - delta[:, :, rows])
+                dq[:, :, rows] += ds @ k[:, :, cols] * scale
+                dk[:, :, cols] += ds.transpose(-2, -1) @ q[:, :, rows] * scale
+        return dq, dk, dv, None, None, None
+
+
+def blockwise_attention(q, k, v, attn_mask=None, is_causal=False, block_size=64):
+    """standard_attention's result by BlockwiseAttention, in blocks of block_size queries and keys;
+    differentiable. float32 or float64 (chunked_attention below adds 16-bit precision)."""
+    if q.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"blockwise_attention computes in float32 or float64, got {q.dtype}")
+    return BlockwiseAttention.apply(q, k, v, _keep(attn_mask, q, k), is_causal, block_size)
+
+
+def _keep(attn_mask, q, k):
+    """attn_mask as a (B, H, Lq, Lk) view (broadcast, not copied), or None."""
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype != torch.bool:
+        raise TypeError(f"attn_mask must be bool, True where a query may attend, got {attn_mask.dtype}")
+    return attn_mask.expand(*q.shape[:-1], k.size(-2))
+
+
+def _blocks(L, size):
+    """Consecutive slices of at most `size` positions that cover 0 .. L-1."""
+    return [slice(i, min(i + size, L)) for i in range(0, L, size)]
+# core ends
+
+
+# -----------------------------------------------------------------------------
+# The hardened paths. Each computes what the core computes, with everything real use asks for, and the
+# tests prove it equal to the core. All three take the arguments and conventions of
+# F.scaled_dot_product_attention (SDPA), with the core's shapes, plus:
+# - a float attn_mask is added to the scores, and only -inf masks a key; integer masks are refused, as
+#   SDPA refuses them; is_causal with an attn_mask applies both (SDPA refuses the pair);
+# - window_size=w: query i sees keys with |i - j| <= w (with is_causal: 0 <= i - j <= w);
+# - cu_seqlens, packed documents (self-attention): query i sees only the keys of its own document;
+# - dropout_p, scale, and under autocast float32 q, k, v computed and returned in autocast's dtype;
+# - in float16 and bfloat16 FlashAttention's rule: an error against float64 at most twice that of
+#   standard attention computed in the inputs' dtype;
+# - torch.compile(fullgraph=True), and no tensor value read on the host in forward or backward.
+
 IMPLS = ("naive", "chunked", "flash")
 POS_ENCODINGS = ("sinusoidal", "learned", "rope")
 
-# -----------------------------------------------------------------------------
 # Masks: which keys a query sees. One visibility rule (causality, window, documents, attn_mask)
-# serves every path: naive and flash ask mask_block for the whole score matrix, chunked for one
-# block at a time, and chunked visits only the key blocks that the rule leaves visible (_key_blocks).
+# serves every hardened path: naive and flash ask mask_block for the whole score matrix, chunked for
+# one block at a time, and chunked visits only the key blocks that the rule leaves visible (_key_blocks).
 
 
 def causal_mask(Lq, Lk=None, device=None):
@@ -149,10 +290,6 @@ def _key_blocks(rows, Lk, ck, is_causal, window_size, offsets=None):
     return [slice(k0, min(k0 + ck, hi)) for k0 in range(lo, hi, ck)]
 
 
-def _blocks(L, size):
-    return [slice(i, min(i + size, L)) for i in range(0, L, size)]
-
-
 def _apply_mask(scores, mask):
     """scores with a mask_block mask applied: -inf where a bool mask is False (never -1e9: it
     overflows float16), the bias of a float mask added in float32 or wider (a finfo.min bias
@@ -195,7 +332,8 @@ def _sdpa_conventions(q, k, v, scale):
 
 
 # -----------------------------------------------------------------------------
-# Path 1: naive attention, the textbook formula. It materialises the (Lq, Lk) scores.
+# naive: standard_attention with every convention above, and the weights it used. Like the core's, it
+# materialises the (Lq, Lk) scores.
 
 
 def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, window_size=None,
@@ -225,15 +363,17 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 
 
 # -----------------------------------------------------------------------------
-# Path 2: chunked attention, FlashAttention-2's online softmax written out in PyTorch.
+# chunked: blockwise_attention with every convention above, FlashAttention-2's precision recipe for
+# 16-bit inputs, dropout that the backward regenerates, blocks that windows and documents hide skipped,
+# and one custom operator for torch.compile.
 #
-# The (Lq, Lk) scores never exist: the queries are taken a block of rows at a time, and each
-# block visits the key blocks (cols) it sees, keeping per query a running row max m, a
-# normaliser l and an unnormalised output o. At the end out = o / l. In the forward one (cq, ck)
-# block of scores exists at a time (the backward holds a few: P, dP, dS), so memory is linear in
-# the length. Scores are kept in base 2, exp(x) = exp2(x * log2(e)), as FlashAttention does on a
-# GPU, where exp2 is the native instruction; here it costs the same as exp, and log2(e) rides in
-# the scale of the product that makes S.
+# As in the core, each block of query rows visits the key blocks (cols) it sees, keeping per query m,
+# l and o, and out = o / l at the end. Beside the per-query statistics a few (cq, ck) blocks of scores
+# are alive at once: two in the forward and four in the backward (P, dP, dS), since a block lives until
+# its name is rebound, so step j's blocks are made while step j - 1's still exist (study.py counts
+# them). Scores are kept in base 2, exp(x) = exp2(x * log2(e)), as FlashAttention does on a GPU, where exp2
+# is the native instruction; here it costs the same as exp, and log2(e) rides in the scale of the
+# product that makes S.
 
 LOG2E = math.log2(math.e)
 
@@ -332,7 +472,7 @@ def chunked_backward(dout, q, k, v, out, m, log2_l, dq, dk, dv, dmask, opts, cq)
 
 
 def default_chunk_size(device):
-    """(query block, key block). CPU: the best of the sizes measured (README, "Chunk sizes");
+    """(query block, key block). CPU: the best of the sizes measured (results/README.md, "The chunked path");
     elsewhere a guess that keeps kernel launches few, not yet measured."""
     return (256, 256) if torch.device(device).type == "cpu" else (512, 512)
 
@@ -392,7 +532,12 @@ def _autocast_off(op):
     return run
 
 
-@torch.library.custom_op("minitransformer::chunked_attention_fwd", mutates_args=())
+# The operators' namespace is the module's own name: a copy of this file imported under another name
+# (beside an installed minitransformer) registers operators of its own, never replacing these.
+_OPS = __name__.replace(".", "_")
+
+
+@torch.library.custom_op(f"{_OPS}::chunked_attention_fwd", mutates_args=())
 @_autocast_off
 def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                  seed: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], dropout_p: float,
@@ -404,7 +549,7 @@ def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
                                                   window_size, ck, cu_seqlens), cq)
 
 
-@torch.library.custom_op("minitransformer::chunked_attention_bwd", mutates_args=())
+@torch.library.custom_op(f"{_OPS}::chunked_attention_bwd", mutates_args=())
 @_autocast_off
 def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  m: torch.Tensor, log2_l: torch.Tensor, attn_mask: Optional[torch.Tensor],
@@ -527,7 +672,8 @@ def _drop(t, keep_bits):
 
 
 # -----------------------------------------------------------------------------
-# Path 3: flash, PyTorch's fused attention (SDPA). A fused kernel runs the chunked path's online
+# flash: the core's result by PyTorch's fused kernels (SDPA), with every convention above, and the
+# kernel that runs named and checked, never a silent fall-back. A fused kernel runs the online
 # softmax inside one kernel: its blocks of scores stay in on-chip memory, and no (Lq, Lk)
 # matrix is written out. "flash" names SDPA's fused path, not only the FlashAttention kernel:
 # SDPA picks among FlashAttention, memory-efficient and cuDNN kernels (on CUDA any attn_mask

@@ -1,14 +1,60 @@
-"""Tests of minitransformer against independent oracles: PyTorch's own SDPA (math kernel,
-float64), nn.MultiheadAttention, nn.TransformerEncoderLayer and torch.autograd.gradcheck.
+"""Tests of minitransformer against independent oracles: PyTorch's own SDPA (math kernel, float64),
+nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder and torch.autograd.gradcheck.
 
-Tolerances in low precision: the error that PyTorch's math kernel makes in the same dtype,
-or, for FlashAttention's rule, twice the error of standard attention computed in the same
-low precision (its attention_ref with upcast=False), each against float64, plus a floor
-where stated.
+Tolerances in low precision: the error that PyTorch's math kernel makes in the same dtype, or, for
+FlashAttention's rule, twice the error of standard attention computed in the same low precision (its
+attention_ref with upcast=False), each against float64, plus a floor where stated.
+
+What is checked, against what, to which tolerance:
+- the core, standard_attention and blockwise_attention: forward and gradients, lengths 1, 37, 97 and
+  Lq != Lk that the blocks do not divide, bool / full / causal / causal+padding masks, fully masked rows;
+  the block copied alone into an empty folder and run by a fresh interpreter; float32; one graph under
+  compile, no host read. Oracle: SDPA's math kernel in float64 (1e-10; 2x SDPA's float32 error).
+- every hardened path against the core on the inputs the core takes: naive and flash against
+  standard_attention, chunked against blockwise_attention (1e-12 float64, 2e-6 float32).
+- every path, forward and gradients; lengths 1, 37, 97, Lq != Lk, v head dim != q head dim; no / bool /
+  full / float / causal / causal+padding masks, fully masked rows, windows: SDPA math float64, 1e-10.
+- FlashAttention's rule: every path in float32, bfloat16 and float16; n = 1024, scores of std 3, causal
+  and not, no mask / padding / a float32 learned bias (also under autocast): output, dq, dk, dv, dbias,
+  against SDPA math float64; 2x the error of standard attention in the input dtype (+ a small floor).
+- the chunked recipe: every matrix product of forward and backward (bf16, fp16) takes operands that the
+  input dtype holds exactly, into float32 (exact).
+- a float mask's gradient, broadcast along each dimension; finfo.min rows in every dtype; chunked backward
+  (causal, window, masks, dropout); the custom operators, and a changed copy of the module under another
+  name that keeps its own: SDPA math float64, gradcheck, opcheck (1e-10 / the dtype's / their own).
+- dropout: kept weights, dropped fraction, a mask independent of the block size; its int32 hash: v = identity;
+  other block sizes; the hash in int64 with the wrap written out (exact / p +- 0.02).
+- torch.compile(fullgraph=True) of every path and module, forward and backward, dropout; 1 graph, 0 breaks:
+  eager, torch._dynamo.explain (1e-5).
+- no host read in forward+backward, nor in a training step that does not log; bad input's errors: every
+  .item(), .tolist(), bool(), int(), float(), index, .cpu(), .numpy() of a tensor, and the profiler's
+  aten::_local_scalar_dense; the error's text (0 / exact).
+- MultiHeadAttention.from_torch, EncoderLayer.from_torch (post-LN, pre-LN, relu, gelu, padding); the whole
+  Encoder; attention_weights: nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder with
+  the embedding, positions and final norm written out; softmax of the hooked layer's own input (1e-10).
+- sinusoidal encoding; RoPE: the formula term by term; complex rotation, relative positions (1e-6).
+- training: learns (the heatmap's anti-diagonal), bf16 and fp16, skipped steps, exact resume, refused
+  resumes, corrupt checkpoints, non-finite loss, unscale-before-clip, tokens/s without evaluation, fsync, the
+  schedule, weight decay groups, evaluation counts, torchrun with 2 processes: the task's targets, the float32
+  run, an uninterrupted run, autograd, hand counts, one process on the global batch (exact where stated).
+- packed documents (cu_seqlens), every path: forward and gradients with causal, padding, a float bias, a
+  window and empty documents; each document attended alone; the encoder (sinusoidal, learned, RoPE);
+  gradcheck; blocks visited and masked; dropout inside documents; FlashAttention's rule (bf16, fp16); compile
+  with moving boundaries, 1 graph, Inductor; host reads of cu_seqlens only; bad cu_seqlens: SDPA math
+  float64 with a block-diagonal mask the test builds; the paths on each document's slice; the encoder on
+  each document alone; hand counts (1e-10 / 1e-12 / 1e-5 / 2x standard attention).
+- ring attention, 1 / 2 / 3 gloo processes, both layouts, causal and not, scale, Dv != D, a group of its own;
+  the sharded encoder; bad shards and what the ring refuses: SDPA math on the whole sequence, float64 /
+  bfloat16; the unsharded encoder (1e-10 / FlashAttention's rule).
+- study: FLOP counts, exponents, CSV resume, OOM, the memory wall (also without /proc or RLIMIT_AS, and
+  without the resource module), unsupported kernels, a killed worker, output folders, a faked CUDA device, a
+  ring series of 2 processes: brute-force counts, synthetic curves, monkeypatched torch.cuda (exact).
+CUDA-only tests skip without a GPU.
 """
 
 import contextlib
 import datetime
+import json
 import math
 import os
 import subprocess
@@ -119,6 +165,139 @@ def make_mask(kind, B, H, Lq, Lk, seed=0):
 
 SHAPES = [(1, 1), (37, 37), (97, 97), (37, 97), (97, 37)]
 MASKS = ["none", "bool", "full", "float", "causal", "causal+pad"]
+
+
+# ----------------------------------------------------------------------------- the core
+# The core is the spec: standard_attention and blockwise_attention against SDPA's math kernel in float64,
+# forward and backward, at lengths that do not divide the block; every hardened path against the core on the
+# inputs the core takes (bool masks, is_causal, float32 and float64); the block copied alone into an empty folder.
+
+CORE = {"standard": mt.standard_attention,
+        "blockwise": lambda q, k, v, **kw: mt.blockwise_attention(q, k, v, block_size=16, **kw)}
+CORE_MASKS = ["none", "bool", "full", "causal", "causal+pad"]  # "bool" has a fully masked row
+
+
+@pytest.mark.parametrize("core", CORE)
+@pytest.mark.parametrize("Lq,Lk", SHAPES)
+@pytest.mark.parametrize("mask_kind", CORE_MASKS)
+def test_core_matches_sdpa_float64(core, Lq, Lk, mask_kind):
+    q, k, v = make_qkv(2, 3, Lq, Lk, 16, Dv=24)
+    keep, _, kw = make_mask(mask_kind, 2, 3, Lq, Lk)
+    dout = torch.randn(2, 3, Lq, 24, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    want = grads_of(lambda q, k, v: reference(q, k, v, keep), q, k, v, dout)
+    got = grads_of(lambda q, k, v: CORE[core](q, k, v, **kw), q, k, v, dout)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("core", CORE)
+def test_core_in_float32_errs_as_sdpa_does(core):
+    # float32 against float64: at most twice the error of SDPA's math kernel in float32, plus a floor
+    q, k, v = make_qkv(2, 2, 97, 61, 32)
+    keep, _, kw = make_mask("causal+pad", 2, 2, 97, 61)
+    dout = torch.randn(2, 2, 97, 32, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    want = grads_of(lambda q, k, v: reference(q, k, v, keep), q, k, v, dout)
+    low = [t.float() for t in (q, k, v, dout)]
+    with sdpa_kernel(SDPBackend.MATH):
+        sdpa32 = grads_of(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=keep & torch.ones(
+            97, 61, dtype=torch.bool).tril()), *low)
+    got = grads_of(lambda q, k, v: CORE[core](q, k, v, **kw), *low)
+    for name, g, s_, w in zip(("out", "dq", "dk", "dv"), got, sdpa32, want, strict=True):
+        err, sdpa_err = (g.double() - w).abs().max().item(), (s_.double() - w).abs().max().item()
+        assert g.dtype == torch.float32 and err <= 2 * sdpa_err + 1e-6, f"{name}: {err:.3g} vs SDPA's {sdpa_err:.3g}"
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+@pytest.mark.parametrize("mask_kind", CORE_MASKS)
+def test_hardened_paths_equal_the_core(impl, dtype, tol, mask_kind):
+    # naive and flash compute what standard_attention computes, chunked what blockwise_attention computes:
+    # forward and gradients, Lq != Lk, blocks that do not divide the lengths
+    q, k, v = make_qkv(2, 3, 45, 70, 16, Dv=8, dtype=dtype)
+    _, _, kw = make_mask(mask_kind, 2, 3, 45, 70)
+    dout = torch.randn(2, 3, 45, 8, generator=torch.Generator().manual_seed(7)).to(dtype)
+    core = CORE["blockwise" if impl == "chunked" else "standard"]
+    want = grads_of(lambda q, k, v: core(q, k, v, **kw), q, k, v, dout)
+    got = grads_of(lambda q, k, v: run_path(impl, q, k, v, **kw), q, k, v, dout)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=tol, rtol=tol, msg=name)
+
+
+def test_core_refuses_what_it_does_not_do():
+    q, k, v = make_qkv(1, 2, 8, 8, 16)
+    for core in CORE.values():
+        with pytest.raises(TypeError, match="attn_mask must be bool, True where a query may attend, got torch.float64"):
+            core(q, k, v, attn_mask=torch.zeros(8, 8, dtype=torch.float64))
+    with pytest.raises(TypeError, match="blockwise_attention computes in float32 or float64, got torch.bfloat16"):
+        mt.blockwise_attention(*(t.bfloat16() for t in (q, k, v)))
+
+
+CORE_CHECK = """
+import json, math, sys
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+import core
+
+assert "minitransformer" not in sys.modules
+g = torch.Generator().manual_seed(0)
+B, H, Lq, Lk, D = 2, 3, 75, 130, 16  # lengths that the blocks of 64 do not divide
+q, k, v, dout = (torch.randn(B, H, L, D, generator=g, dtype=torch.float64) for L in (Lq, Lk, Lk, Lq))
+pad = torch.arange(Lk) < torch.tensor([Lk, 40])[:, None]  # (B, Lk): sequence 1 has 40 keys
+cases = {"causal": (None, torch.ones(Lq, Lk, dtype=torch.bool).tril()),
+         "key padding": (pad[:, None, None, :], pad[:, None, None, :].expand(B, 1, Lq, Lk))}
+errors = {}
+for case, (attn_mask, keep) in cases.items():
+    def sdpa(q, k, v):
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    for fn in (core.standard_attention, core.blockwise_attention):
+        results = []
+        for f, kw in ((fn, dict(attn_mask=attn_mask, is_causal=case == "causal")), (sdpa, {})):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = f(*leaves, **kw)
+            results.append([out] + list(torch.autograd.grad(out, leaves, dout)))
+        errors[f"{fn.__name__}, {case}"] = [(a - b).abs().max().item() for a, b in zip(*results)]
+print(json.dumps(errors))
+"""
+
+
+def test_the_core_copied_alone_runs_in_an_empty_folder(tmp_path):
+    # as a user takes it: the lines between the markers, under `import math` and `import torch`, in a fresh
+    # interpreter that cannot import minitransformer (-E: no PYTHONPATH); against SDPA's math kernel in float64, causal and with a
+    # key-padding mask: out, dq, dk, dv
+    source = open(mt.__file__).read()
+    assert source.count("# core begins\n") == 1 and source.count("# core ends\n") == 1
+    block = source.split("# core begins\n")[1].split("# core ends\n")[0]
+    (tmp_path / "core.py").write_text("import math\nimport torch\n\n" + block)
+    (tmp_path / "check.py").write_text(CORE_CHECK)
+    run = subprocess.run([sys.executable, "-E", "-s", "check.py"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    errors = json.loads(run.stdout)
+    assert len(errors) == 4
+    for case, errs in errors.items():
+        assert max(errs) < 1e-12, (case, errs)
+
+
+def test_a_copy_under_another_name_keeps_its_own_operators(tmp_path):
+    # the chunked path's custom operators are named after the module: a changed copy of the file imported under
+    # another name (beside an installed minitransformer) must not replace this module's operators
+    import importlib.util
+    source = open(mt.__file__).read()
+    planted = source.replace("    return out, m_all, log2_l\n", "    return out * 0, m_all, log2_l\n")
+    assert planted != source
+    (tmp_path / "my_attention.py").write_text(planted)
+    q, k, v = make_qkv(1, 2, 8, 8, 4)
+    before = mt.chunked_attention(q, k, v)
+    spec = importlib.util.spec_from_file_location("my_attention", tmp_path / "my_attention.py")
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    assert (copy.chunked_attention(q, k, v) == 0).all()  # the copy runs its own code
+    torch.testing.assert_close(mt.chunked_attention(q, k, v), before, atol=0, rtol=0)  # and this module its own
+
+
+# ----------------------------------------------------------------------------- the hardened paths
 
 
 @pytest.mark.parametrize("impl", mt.IMPLS)
@@ -1220,6 +1399,17 @@ def test_fullgraph_compile_matches_eager(impl, kind, mask_kind):
     torch._dynamo.reset()
     got = forward_backward(torch.compile(fn, fullgraph=True, backend="aot_eager"), inputs, params)
     assert_same(got, want)
+
+
+@pytest.mark.parametrize("core", CORE)
+def test_the_core_compiles_to_one_graph_and_reads_nothing_on_the_host(core):
+    fn, (q, k, v), _ = compile_case("attention", "naive", "causal+pad")
+    pad = mt.padding_mask(torch.tensor([21, 13, 4]), 21)
+    fn = lambda q, k, v: CORE[core](q, k, v, attn_mask=pad, is_causal=True)
+    want = forward_backward(fn, (q, k, v), [])
+    assert host_reads(lambda: forward_backward(fn, (q, k, v), [])) == []
+    torch._dynamo.reset()
+    assert_same(forward_backward(torch.compile(fn, fullgraph=True, backend="aot_eager"), (q, k, v), []), want)
 
 
 @pytest.mark.parametrize("impl", mt.IMPLS)
