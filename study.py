@@ -2,7 +2,7 @@
 study.py: what attention really costs, predicted and measured on your own machine.
 
     python study.py                    # default sweep (CUDA if present, else CPU) -> runs/<device>/
-    python study.py --quick            # smoke run, under 30 s on a 2-core CPU -> runs/<device>-quick/
+    python study.py --quick            # smoke run, about 20 s on a 2-core CPU -> runs/<device>-quick/
     python study.py --predict --lengths 32768 --batch 8 --heads 16 --head-dim 128 --dtype bfloat16 --mem-budget 80
     python study.py --series ring2,ring4 --lengths 1024,4096    # ring attention across 2 and 4 processes
     python study.py --compare          # flash, chunked, chunked-causal timed side by side at n = 4096
