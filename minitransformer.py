@@ -14,12 +14,12 @@ ring_attention.py continues the chunked path across devices; study.py measures w
 
 Where each idea of a Transformer tutorial lives:
     scaled dot-product attention        standard_attention (core); naive_attention
-    multi-head attention                MultiHeadAttention (d_model % n_heads checked, small heads warned)
+    multi-head attention                MultiHeadAttention (d_model % n_heads checked, head size < 32 warned)
     positional encodings                SinusoidalPositionalEncoding, LearnedPositionalEncoding, RotaryEmbedding
     encoder layer: residuals, LayerNorm EncoderLayer (post-LN as in the paper, or pre-LN), Encoder
     O(n^2) memory of the scores         standard_attention, naive_attention; measured by study.py
     chunked computation                 blockwise_attention (core); chunked_attention
-    local (sliding-window) attention    window_size= of naive_attention, chunked_attention, flash_attention
+    local and sparse attention          window_size= of every hardened path; any pattern as a bool attn_mask
     FlashAttention                      blockwise_attention (the algorithm); flash_attention (PyTorch's kernels)
     mixed precision                     _train (autocast), optimizer_step (GradScaler): --amp bf16 or fp16
     gradient clipping                   optimizer_step: the gradients unscaled first, then clipped
@@ -45,6 +45,7 @@ import functools
 import gc
 import math
 import os
+import re
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -57,17 +58,17 @@ from torch.nn.attention import SDPBackend
 
 # core begins
 # Attention in its plainest correct form, forward and backward. Conventions are those of PyTorch's
-# F.scaled_dot_product_attention: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv);
-# attn_mask is bool, True where a query may attend to a key, and broadcasts to (B, H, Lq, Lk) (a
-# key-padding mask is (B, 1, 1, Lk)); is_causal lets query i see keys j <= i, together with attn_mask.
-# A query that may see no key gets 0. float32 or float64.
+# F.scaled_dot_product_attention: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv)
+# (D is the tutorials' d_k); attn_mask is bool, True where a query may attend to a key, and broadcasts to
+# (B, H, Lq, Lk) (a key-padding mask is (B, 1, 1, Lk)); is_causal lets query i see keys j <= i, together
+# with attn_mask. A query that may see no key gets 0. float32 or float64.
 
 
-def visible(keep, is_causal, rows, cols, device):
+def _visible(keep, is_causal, rows, cols, device):
     """May the queries at positions `rows` see the keys at positions `cols` (two slices)? A bool mask
     broadcastable to (B, H, rows, cols), True where they may, or None where every key is visible.
     keep: the attn_mask as a (B, H, Lq, Lk) view, or None."""
-    mask = None if keep is None else keep[:, :, rows, cols]
+    mask = None if keep is None else keep[..., rows, cols]
     if is_causal:
         i = torch.arange(rows.start, rows.stop, device=device)[:, None]  # (rows, 1)
         j = torch.arange(cols.start, cols.stop, device=device)[None, :]  # (1, cols)
@@ -75,11 +76,11 @@ def visible(keep, is_causal, rows, cols, device):
     return mask
 
 
-def scores(q, k, keep, is_causal, rows, cols):
-    """S = Q K^T / sqrt(D) + M for queries `rows` and keys `cols`: (B, H, rows, cols), with
-    M = 0 where a query may see a key and -inf where it may not (never -1e9: it overflows float16)."""
-    s = q[:, :, rows] @ k[:, :, cols].transpose(-2, -1) / math.sqrt(q.size(-1))
-    mask = visible(keep, is_causal, rows, cols, q.device)
+def _block_scores(q, k, keep, is_causal, rows, cols):
+    """S = Q K^T / sqrt(D) + M for the queries `rows` and keys `cols`, (B, H, rows, cols): M = 0 where a
+    query may see a key, -inf where it may not. Not -1e9: a query that sees no key would then average V."""
+    s = q[..., rows, :] @ k[..., cols, :].transpose(-2, -1) / math.sqrt(q.size(-1))
+    mask = _visible(keep, is_causal, rows, cols, q.device)
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
@@ -88,70 +89,72 @@ def standard_attention(q, k, v, attn_mask=None, is_causal=False):
 
     The scores exist whole: B * H * Lq * Lk numbers, the memory that blockwise_attention saves.
     """
-    s = scores(q, k, _keep(attn_mask, q, k), is_causal, slice(0, q.size(-2)), slice(0, k.size(-2)))
+    s = _block_scores(q, k, _keep(attn_mask, q, k), is_causal, slice(0, q.size(-2)), slice(0, k.size(-2)))
     p = torch.softmax(s, dim=-1)  # (B, H, Lq, Lk)
     p = p.masked_fill(torch.isneginf(s).all(-1, keepdim=True), 0.0)  # no key visible: 0, not softmax's NaN
     return p @ v
 
 
 class BlockwiseAttention(torch.autograd.Function):
-    """FlashAttention-2 (Dao 2023): softmax(Q K^T / sqrt(D) + M) V in blocks, never holding the scores.
+    """FlashAttention-2 (Dao 2023): softmax(Q K^T / sqrt(D) + M) V in blocks, never holding all the scores.
 
     Forward (its Algorithm 1). Each block of queries Q_i visits the blocks of keys K_j, V_j it may see,
-    keeping per query a running row max m, a normaliser l and an unnormalised output o:
+    keeping per query a running row max m, a normaliser l and an unnormalised output o (M: the mask):
 
-        S = Q_i K_j^T / sqrt(D) + M,   m' = max(m, rowmax(S)),   P = exp(S - m'),
-        l' = exp(m - m') l + rowsum(P),   o' = exp(m - m') o + P V_j,   and at the end O_i = o / l.
+        S = Q_i K_j^T / sqrt(D) + M,   m' = max(m, rowmax(S)),   P~ = exp(S - m'),   a = exp(m - m'),
+        l' = a l + rowsum(P~),   o' = a o + P~ V_j,   and at the end O_i = o / l,   lse = m + log(l).
 
-    Backward (Algorithm 2). P is recomputed from the logsumexp L = m + log(l) kept per query:
+    Backward (Algorithm 2). The probabilities P are recomputed from lse, the logsumexp kept per query:
 
-        P = exp(S - L),   dV_j += P^T dO_i,   dP = dO_i V_j^T,   dS = P * (dP - rowsum(dO_i * O_i)),
-        dQ_i += dS K_j / sqrt(D),   dK_j += dS^T Q_i / sqrt(D).
+        P = exp(S - lse),   dV_j += P^T dO_i,   dP = dO_i V_j^T,   Delta = rowsum(dO_i * O_i),
+        dS = P * (dP - Delta),   dQ_i += dS K_j / sqrt(D),   dK_j += dS^T Q_i / sqrt(D).
 
-    So memory is linear in the length: per query m, l, o (and L), per block one (rows, cols) tile.
-    With is_causal the blocks of keys that lie wholly after a block of queries are skipped.
+    So memory is linear in the length: per query m, l, o and lse, and a few tiles of one block (S and P~
+    in the forward; P, dP, dS in the backward), beside the attn_mask passed in. With is_causal the blocks
+    of keys that lie wholly after a block of queries are skipped.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, keep, is_causal, block_size):
-        B, H, Lq, _ = q.shape
+        *batch, Lq, _ = q.shape  # batch: (B, H)
         Lk = k.size(-2)
-        out = q.new_empty(B, H, Lq, v.size(-1))
-        lse = q.new_empty(B, H, Lq, 1)  # L = m + log(l), per query
+        out = q.new_empty(*batch, Lq, v.size(-1))
+        lse = q.new_empty(*batch, Lq, 1)
         for rows in _blocks(Lq, block_size):
-            m = q.new_full((B, H, rows.stop - rows.start, 1), float("-inf"))
+            m = q.new_full((*batch, rows.stop - rows.start, 1), float("-inf"))
             l = torch.zeros_like(m)
-            o = q.new_zeros(B, H, rows.stop - rows.start, v.size(-1))
+            o = q.new_zeros(*batch, rows.stop - rows.start, v.size(-1))
             for cols in _blocks(min(Lk, rows.stop) if is_causal else Lk, block_size):  # causal: keys j < rows.stop
-                s = scores(q, k, keep, is_causal, rows, cols)  # (B, H, rows, cols)
+                s = _block_scores(q, k, keep, is_causal, rows, cols)  # (B, H, rows, cols)
                 m_new = torch.maximum(m, s.amax(-1, keepdim=True))
                 m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # no key seen yet: exp(-inf) = 0, not NaN
-                p = torch.exp(s - m_safe)
-                alpha = torch.exp(m - m_safe)  # rescales what was summed under the old max
-                l = alpha * l + p.sum(-1, keepdim=True)
-                o = alpha * o + p @ v[:, :, cols]
+                p = torch.exp(s - m_safe)  # P~
+                a = torch.exp(m - m_safe)  # rescales what was summed under the old max
+                l = a * l + p.sum(-1, keepdim=True)
+                o = a * o + p @ v[..., cols, :]
                 m = m_new
-            out[:, :, rows] = o / l.masked_fill(l == 0, 1.0)  # a query that saw no key: o = 0, so 0
-            lse[:, :, rows] = (m + torch.log(l)).masked_fill(l == 0, float("inf"))  # and P = exp(-inf) = 0
+            out[..., rows, :] = o / l.masked_fill(l == 0, 1.0)  # a query that saw no key: o = 0, so 0
+            lse[..., rows, :] = (m + torch.log(l)).masked_fill(l == 0, float("inf"))  # so P = exp(S - inf) = 0
         ctx.save_for_backward(q, k, v, out, lse, keep)
         ctx.is_causal, ctx.block_size = is_causal, block_size
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the backward is not itself differentiated
     def backward(ctx, dout):
         q, k, v, out, lse, keep = ctx.saved_tensors
         size, scale = ctx.block_size, 1.0 / math.sqrt(q.size(-1))
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO * O), (B, H, Lq, 1)
+        delta = (dout * out).sum(-1, keepdim=True)  # Delta = rowsum(dO * O), (B, H, Lq, 1)
         for cols in _blocks(k.size(-2), size):  # keys outside, as in Algorithm 2: dK_j, dV_j summed in place
-            first = cols.start // size if ctx.is_causal else 0  # causal: the query blocks that reach these keys
-            for rows in _blocks(q.size(-2), size)[first:]:
-                p = torch.exp(scores(q, k, keep, ctx.is_causal, rows, cols) - lse[:, :, rows])  # (B, H, rows, cols)
-                dv[:, :, cols] += p.transpose(-2, -1) @ dout[:, :, rows]
-                dp = dout[:, :, rows] @ v[:, :, cols].transpose(-2, -1)
-                ds = p * (dp - delta[:, :, rows])
-                dq[:, :, rows] += ds @ k[:, :, cols] * scale
-                dk[:, :, cols] += ds.transpose(-2, -1) @ q[:, :, rows] * scale
+            first = cols.start // size if ctx.is_causal else 0  # causal: the first query block to reach cols
+            for rows in _blocks(q.size(-2), size)[first:]:  # (query and key blocks have one size)
+                p = torch.exp(_block_scores(q, k, keep, ctx.is_causal, rows, cols) - lse[..., rows, :])  # P
+                dv[..., cols, :] += p.transpose(-2, -1) @ dout[..., rows, :]
+                dp = dout[..., rows, :] @ v[..., cols, :].transpose(-2, -1)
+                ds = p * (dp - delta[..., rows, :])
+                dq[..., rows, :] += ds @ k[..., cols, :] * scale
+                dk[..., cols, :] += ds.transpose(-2, -1) @ q[..., rows, :] * scale
         return dq, dk, dv, None, None, None
 
 
@@ -160,6 +163,8 @@ def blockwise_attention(q, k, v, attn_mask=None, is_causal=False, block_size=64)
     differentiable. float32 or float64 (chunked_attention below adds 16-bit precision)."""
     if q.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"blockwise_attention computes in float32 or float64, got {q.dtype}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size}")
     return BlockwiseAttention.apply(q, k, v, _keep(attn_mask, q, k), is_causal, block_size)
 
 
@@ -533,8 +538,9 @@ def _autocast_off(op):
 
 
 # The operators' namespace is the module's own name: a copy of this file imported under another name
-# (beside an installed minitransformer) registers operators of its own, never replacing these.
-_OPS = __name__.replace(".", "_")
+# (beside an installed minitransformer) registers operators of its own, never replacing these (one
+# imported under the same name, as importlib.reload does, replaces them).
+_OPS = re.sub(r"\W", "_", __name__)
 
 
 @torch.library.custom_op(f"{_OPS}::chunked_attention_fwd", mutates_args=())

@@ -103,7 +103,7 @@ def reference(q, k, v, keep=None, bias=None, dropout_p=0.0):
     return out if dead is None else out.masked_fill(dead, 0.0)
 
 
-def standard_attention(q, k, v, mask=None):
+def attention_ref(q, k, v, mask=None):
     """Attention as people write it, in q's dtype (FlashAttention's attention_ref, upcast=False): a bool mask
     masks with -inf, a float32 bias promotes the scores to float32 by ordinary type promotion, and the weights
     return to v's dtype for the product."""
@@ -125,7 +125,7 @@ def lowp_error(q, k, v, keep, out64, dtype, bias=None):
     elif keep is not None:
         dead = ~keep.any(-1, keepdim=True)
         mask = keep | dead
-    out = standard_attention(*(t.to(dtype) for t in (q, k, v)), mask)
+    out = attention_ref(*(t.to(dtype) for t in (q, k, v)), mask)
     out = out if dead is None else out.masked_fill(dead, 0.0)
     return (out.double() - out64).abs().max().item()
 
@@ -230,52 +230,99 @@ def test_core_refuses_what_it_does_not_do():
             core(q, k, v, attn_mask=torch.zeros(8, 8, dtype=torch.float64))
     with pytest.raises(TypeError, match="blockwise_attention computes in float32 or float64, got torch.bfloat16"):
         mt.blockwise_attention(*(t.bfloat16() for t in (q, k, v)))
+    with pytest.raises(ValueError, match="block_size must be a positive int, got 0"):
+        mt.blockwise_attention(q, k, v, block_size=0)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]  # its backward is not differentiable: an error, not
+    dq = torch.autograd.grad(mt.blockwise_attention(*leaves).sum(), leaves[0], create_graph=True)[0]  # a silent 0
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        dq.sum().backward()
+
+
+@pytest.mark.parametrize("core", CORE)
+def test_core_takes_any_leading_dimensions(core):
+    # a single head, (B, L, D), as the tutorials write it, and (L, D): the same rows of the (B, H, L, D) result
+    q, k, v = make_qkv(2, 1, 37, 29, 16)
+    keep = torch.ones(37, 29, dtype=torch.bool).tril()
+    want = CORE[core](q, k, v, attn_mask=keep)
+    torch.testing.assert_close(CORE[core](q[:, 0], k[:, 0], v[:, 0], attn_mask=keep), want[:, 0], atol=1e-15, rtol=0)
+    torch.testing.assert_close(CORE[core](q[0, 0], k[0, 0], v[0, 0], attn_mask=keep), want[0, 0], atol=1e-15, rtol=0)
 
 
 CORE_CHECK = """
-import json, math, sys
+import json, math, sys, types
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+executed = set()  # the lines of core.py that run: every one must, so that none can hide a name from outside it
+
+
+def trace(frame, event, arg):
+    if frame.f_code.co_filename.endswith("core.py"):
+        executed.add(frame.f_lineno)
+        return trace
+
+
+sys.settrace(trace)
 import core
 
 assert "minitransformer" not in sys.modules
 g = torch.Generator().manual_seed(0)
 B, H, Lq, Lk, D = 2, 3, 75, 130, 16  # lengths that the blocks of 64 do not divide
 q, k, v, dout = (torch.randn(B, H, L, D, generator=g, dtype=torch.float64) for L in (Lq, Lk, Lk, Lq))
-pad = torch.arange(Lk) < torch.tensor([Lk, 40])[:, None]  # (B, Lk): sequence 1 has 40 keys
-cases = {"causal": (None, torch.ones(Lq, Lk, dtype=torch.bool).tril()),
-         "key padding": (pad[:, None, None, :], pad[:, None, None, :].expand(B, 1, Lq, Lk))}
+pad = (torch.arange(Lk) < torch.tensor([Lk, 40])[:, None])[:, None, None, :]  # (B, 1, 1, Lk): 40 keys in row 1
+tril = torch.ones(Lq, Lk, dtype=torch.bool).tril()
+cases = {"causal": (None, True, tril), "key padding": (pad, False, pad.expand(B, 1, Lq, Lk)),
+         "causal with key padding": (pad, True, pad & tril)}
 errors = {}
-for case, (attn_mask, keep) in cases.items():
-    def sdpa(q, k, v):
+for case, (attn_mask, is_causal, keep) in cases.items():
+    def sdpa(q, k, v):  # the oracle: every row here sees a key
         with sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
     for fn in (core.standard_attention, core.blockwise_attention):
         results = []
-        for f, kw in ((fn, dict(attn_mask=attn_mask, is_causal=case == "causal")), (sdpa, {})):
+        for f, kw in ((fn, dict(attn_mask=attn_mask, is_causal=is_causal)), (sdpa, {})):
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             out = f(*leaves, **kw)
             results.append([out] + list(torch.autograd.grad(out, leaves, dout)))
         errors[f"{fn.__name__}, {case}"] = [(a - b).abs().max().item() for a, b in zip(*results)]
+for refused in (lambda: core.standard_attention(q, k, v, attn_mask=pad.double()),
+                lambda: core.blockwise_attention(q.float(), k.float(), v.float(), block_size=0),
+                lambda: core.blockwise_attention(q.bfloat16(), k.bfloat16(), v.bfloat16())):
+    try:
+        refused()
+        raise AssertionError("not refused")
+    except (TypeError, ValueError):
+        pass
+sys.settrace(None)
+
+
+def code_lines(code):
+    lines = {line for *_, line in code.co_lines() if line is not None}
+    return lines.union(*(code_lines(c) for c in code.co_consts if isinstance(c, types.CodeType)))
+
+
+missed = code_lines(compile(open("core.py").read(), "core.py", "exec")) - executed
+assert not missed, f"lines of core.py that never ran: {sorted(missed)}"
 print(json.dumps(errors))
 """
 
 
 def test_the_core_copied_alone_runs_in_an_empty_folder(tmp_path):
-    # as a user takes it: the lines between the markers, under `import math` and `import torch`, in a fresh
-    # interpreter that cannot import minitransformer (-E: no PYTHONPATH); against SDPA's math kernel in float64, causal and with a
-    # key-padding mask: out, dq, dk, dv
-    source = open(mt.__file__).read()
-    assert source.count("# core begins\n") == 1 and source.count("# core ends\n") == 1
-    block = source.split("# core begins\n")[1].split("# core ends\n")[0]
-    (tmp_path / "core.py").write_text("import math\nimport torch\n\n" + block)
+    # as a user takes it (the README's recipe: the lines from "# core begins" to "# core ends", under `import math`
+    # and `import torch`), in a fresh interpreter that cannot import minitransformer (-E: no PYTHONPATH), every line
+    # of it run; against SDPA's math kernel in float64, causal, with a key-padding mask and with both: out, dq, dk, dv
+    lines = open(mt.__file__).read().split("\n")
+    assert lines.count("# core begins") == lines.count("# core ends") == 1
+    begin, end = lines.index("# core begins"), lines.index("# core ends")
+    assert begin + 1 < 100 and end - begin + 1 <= 130, (begin + 1, end - begin + 1)  # where, and how long
+    (tmp_path / "core.py").write_text("\n".join(["import math", "import torch"] + lines[begin:end + 1]) + "\n")
     (tmp_path / "check.py").write_text(CORE_CHECK)
     run = subprocess.run([sys.executable, "-E", "-s", "check.py"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr
     errors = json.loads(run.stdout)
-    assert len(errors) == 4
+    assert len(errors) == 6
     for case, errs in errors.items():
         assert max(errs) < 1e-12, (case, errs)
 
@@ -376,7 +423,7 @@ def test_flashattention_precision_rule(device, dtype, causal, mask_kind):
     def standard(q, k, v, m):
         if causal:
             m = tril if m is None else (m & tril if m.dtype == torch.bool else m.masked_fill(~tril, -math.inf))
-        return standard_attention(q, k, v, m)
+        return attention_ref(q, k, v, m)
     ref = grads_of(with_bias(lambda q, k, v, m: sdpa64(q, k, v, m, causal)), q, k, v, dout, bias)
     low = [t.to(dtype) for t in (q, k, v, dout)]
     low_bias = None if bias is None else bias.float()
@@ -507,7 +554,7 @@ def test_float32_bias_keeps_its_precision(impl, dtype, autocast):
     with sdpa_kernel(SDPBackend.MATH):
         ref = grads_of(lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b), q, k, v, dout, bias)
     low = [t.to(dtype) for t in (q, k, v, dout)]
-    std = grads_of(standard_attention, *low, bias.float())
+    std = grads_of(attention_ref, *low, bias.float())
     leaves = [t.detach().clone().requires_grad_() for t in low[:3] + [bias.float()]]
     with torch.autocast("cpu", dtype=dtype, enabled=autocast):
         out = run_path(impl, *leaves[:3], attn_mask=leaves[3])
@@ -1044,7 +1091,7 @@ def test_packed_documents_meet_the_precision_rule(dtype, causal):
     keep = block_diagonal(cu) & (torch.ones(n, n, dtype=torch.bool).tril() if causal else True)
     ref = grads_of(lambda q, k, v: reference(q, k, v, keep), q, k, v, dout)
     low = [t.to(dtype) for t in (q, k, v, dout)]
-    std = grads_of(lambda q, k, v: standard_attention(q, k, v, keep), *low)
+    std = grads_of(lambda q, k, v: attention_ref(q, k, v, keep), *low)
     for impl in ("chunked", "flash"):
         ours = grads_of(lambda q, k, v: run_path(impl, q, k, v, is_causal=causal, cu_seqlens=torch.tensor(cu)), *low)
         for name, x, s_, r in zip(("out", "dq", "dk", "dv"), ours, std, ref):
@@ -1607,7 +1654,7 @@ def ring_attention_case(rank, world, dtype, layout, causal):
     v, dout = (torch.randn(2, 3, RING_L, 32, generator=g, dtype=torch.float64) for _ in range(2))
     sdpa = lambda q, k, v: sdpa64(q, k, v, None, causal)  # noqa: E731
     tril = torch.ones(RING_L, RING_L, dtype=torch.bool).tril()
-    standard = lambda q, k, v: standard_attention(q, k, v, tril if causal else None)  # noqa: E731
+    standard = lambda q, k, v: attention_ref(q, k, v, tril if causal else None)  # noqa: E731
     ref = grads_of(sdpa, q, k, v, dout)
     shard = lambda t: ring.shard_sequence(t, rank, world, layout)  # noqa: E731
     low = [shard(t).to(dtype) for t in (q, k, v, dout)]
