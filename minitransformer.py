@@ -49,7 +49,7 @@ import re
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -699,27 +699,49 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     and run the math kernel, "raise" a RuntimeError, or "allow". A mask, window or documents
     reach SDPA as one (.., Lq, Lk) mask; pure is_causal as the kernel's flag. Under torch.compile, and
     where torch cannot report its kernel (MPS, XPU), SDPA runs unchecked.
+
+    Float masks: a CPU's fused kernel adds them in float32, so the precision rule holds for any bias.
+    On CUDA a fused kernel reads the mask in q's dtype: a float32 bias b reaches it rounded to 16 bits,
+    an error of up to |b| * 2^-9 in the logits in bfloat16 (2^-12 in float16, which also clamps it to
+    +-65504); the rule then holds while that stays below the rounding of the scores themselves, |b| no
+    larger than the scores. For larger biases in 16 bits use chunked, which adds them in float32.
+    Rows whose bias is far from 0 are computed as SDPA's math computes them (_far_rows).
     """
     if on_math not in ("warn", "raise", "allow"):
         raise ValueError(f"on_math must be 'warn', 'raise' or 'allow', got {on_math!r}")
     q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
-    mask, causal, dead, kernel = _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size,
-                                            cu_seqlens)
-    if kernel == "math" and on_math != "allow":
+    call = _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens)
+    if call.kernel == "math" and on_math != "allow":
         why = (f"no fused SDPA kernel accepts these inputs (device={q.device.type}, dtype={q.dtype}, "
-               f"dropout_p={dropout_p}, mask={None if mask is None else mask.dtype}, head dim={q.size(-1)}); "
+               f"dropout_p={dropout_p}, mask={None if call.mask is None else call.mask.dtype}, head dim={q.size(-1)}); "
                "running the unfused math kernel")
         if on_math == "raise":
             raise RuntimeError(why)
         warnings.warn(why, stacklevel=2)
     with _no_autocast(q):  # autocast would round a float mask to 16 bits
-        out = F.scaled_dot_product_attention(q, k, v, mask, dropout_p, causal, scale=scale)
-    return out if dead is None else out.masked_fill(dead, 0.0)
+        out = F.scaled_dot_product_attention(call.q, call.k, call.v, call.mask, dropout_p, call.is_causal,
+                                             scale=scale)
+    out = out[..., :v.size(-1)]  # (B, H, Lq, Dv): without a second half of the head dimension (_far_rows)
+    return out if call.dead is None else out.masked_fill(call.dead, 0.0)
 
 
-def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens):
-    """(mask, is_causal, dead, kernel): the mask and flag exactly as SDPA gets them, the rows to zero
-    after it, and the kernel that runs on them ('unknown' under torch.compile, which picks its own)."""
+class _SdpaCall(NamedTuple):
+    """What SDPA gets (q, k, v, mask, is_causal), the rows to zero after it (dead), and its kernel."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: Optional[torch.Tensor]
+    is_causal: bool
+    dead: Optional[torch.Tensor]
+    kernel: str
+
+
+def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, device_type=None,
+               choose=None):
+    """The call SDPA gets (_SdpaCall), and the kernel that runs on it ('unknown' under torch.compile, which
+    picks its own). device_type and choose (the kernel SDPA would pick: _chosen_kernel's arguments) stand in
+    for a device's own, so that a CPU test can plan what a CUDA kernel gets."""
+    device_type, choose = device_type or q.device.type, choose or _chosen_kernel
     mask, dead = None, None
     doc_ids = None if cu_seqlens is None else documents(cu_seqlens, q.size(-2), q.device)[0]
     if attn_mask is not None or window_size is not None or doc_ids is not None:  # pure causality: the flag
@@ -731,22 +753,74 @@ def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_
         mask = _finite_bias(mask, q.dtype if q.dtype.itemsize >= 4 else torch.float32)
     compiling = torch.compiler.is_compiling()
 
-    def ask(m):  # the kernel SDPA runs on mask m (under compile its Python int would break the graph)
-        return "unknown" if compiling else _chosen_kernel(q, k, v, m, dropout_p, is_causal, scale)
-    kernel = ask(mask)
-    if float_mask and q.device.type != "cpu" and mask.dtype != q.dtype:  # CUDA's fused kernels read a float
+    def ask(q, k, v, m):  # the kernel SDPA runs on these (under compile its Python int would break the graph)
+        return "unknown" if compiling else choose(q, k, v, m, dropout_p, is_causal, scale)
+    kernel = ask(q, k, v, mask)
+    # far rows as SDPA's math computes them, before a 16-bit copy can round them: wherever a fused kernel may
+    # read the mask, or off the CPU its copy in q's dtype (the math kernel computes them right itself)
+    if float_mask and (kernel != "math" or device_type != "cpu"):
+        mask, swamped = _far_rows(mask, can_look=device_type == "cpu" and not compiling)
+        if swamped is not None:
+            q, k, v = _switch_off_scores(q, k, v, swamped)
+            kernel = ask(q, k, v, mask)
+    if float_mask and device_type != "cpu" and mask.dtype != q.dtype:  # CUDA's fused kernels read a float
         low = _finite_bias(mask, q.dtype)  # mask in q's dtype; the math kernel keeps the wider one
-        low_kernel = ask(low)
+        low_kernel = ask(q, k, v, low)
         if low_kernel != "math":
             mask, kernel = low, low_kernel
     # a row with every key masked: the CPU's kernels, the math kernel and NVIDIA's efficient kernel give
     # it zeros; the others (cuDNN, ROCm, MPS) NaN, so it is re-opened, and SDPA asked again about that mask
-    zeroes_dead_rows = (q.device.type == "cpu" or kernel == "math"
+    zeroes_dead_rows = (device_type == "cpu" or kernel == "math"
                         or (kernel == "efficient" and not torch.version.hip))
     if mask is not None and not zeroes_dead_rows:
         mask, dead = _reopen_dead_rows(mask)
-        kernel = ask(mask)
-    return mask, is_causal, dead, kernel
+        kernel = ask(q, k, v, mask)
+    return _SdpaCall(q, k, v, mask, is_causal, dead, kernel)
+
+
+# A bias far from 0 breaks the fused kernels' backward. They keep per query the logsumexp m + log(l) and
+# recompute P = exp(S - m - log(l)); beside |m| >= 2^24 a float32 m + log(l) loses log(l), so P comes out
+# up to l times too large (PyTorch's CPU flash kernel: dq off by 8.7 with one finfo.min row of 12 keys).
+# Softmax does not change when a row's bias is shifted, so flash shifts such a row to a maximum of 0.
+# A row whose every key carries -2^64 or less (Hugging Face's finfo(float32).min, under causal masking with
+# left padding) swamps its scores, even in float64: SDPA's math gives it softmax(bias) V, and its
+# gradients are those of the formula, in which the scores still count. Flash gives it that too, with its
+# scores switched off (_switch_off_scores).
+_FAR, _SWAMPING = 2.0**24, 2.0**64
+
+
+def _far_rows(mask, can_look):
+    """(mask, swamped): the float mask with every row whose largest finite bias is 2^24 or more from 0
+    shifted to a maximum of 0, and the rows (.., Lq, 1) whose largest bias is -2^64 or less (None if none).
+    can_look: a CPU outside torch.compile, where reading whether any row is far waits for no device, and
+    where the mask is copied only if one is; elsewhere every float mask that can hold such values is."""
+    if torch.finfo(mask.dtype).max < _FAR:  # float16: no value is far
+        return mask, None
+    row_max = mask.detach().amax(-1, keepdim=True)  # (.., Lq, 1)
+    finite = torch.isfinite(row_max)
+    far, swamped = finite & (row_max.abs() >= _FAR), finite & (row_max <= -_SWAMPING)
+    if can_look:
+        if not _host_value(far.any()):
+            return mask, None
+        swamped = swamped if _host_value(swamped.any()) else None
+    return mask - torch.where(far, row_max, 0.0), swamped
+
+
+def _switch_off_scores(q, k, v, swamped):
+    """q, k, v with which any SDPA kernel gives the `swamped` rows (.., Lq, 1) SDPA's math result: scores
+    of exactly 0 in the forward, and in the backward the gradients of softmax(Q K^T * scale + M) V. Their
+    rows of q are zeroed straight through (q - q.detach(): 0, with q's gradient), which gives dQ. Their
+    share of dK = dS^T Q needs their real q: it travels in a second half of the head dimension, against
+    k - k.detach() (0, with k's gradient); v gets zeros beside it, for kernels that need Dv = D. Without
+    a gradient for k the second half is left out. Returns q, k (B, H, L, 2D) and v (B, H, Lk, 2Dv)."""
+    q_off = torch.where(swamped, q - q.detach(), q)
+    if not (torch.is_grad_enabled() and k.requires_grad):
+        return q_off, k, v
+    q = torch.cat([q_off, torch.where(swamped, q, 0.0).detach()], dim=-1)  # (B, H, Lq, 2D)
+    k = torch.cat([k, k - k.detach()], dim=-1)  # (B, H, Lk, 2D)
+    if 2 * v.size(-1) == q.size(-1):
+        v = torch.cat([v, torch.zeros_like(v)], dim=-1)  # (B, H, Lk, 2Dv)
+    return q, k, v
 
 
 def _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale):
@@ -768,7 +842,7 @@ def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
                      window_size=None, cu_seqlens=None):
     """Which SDPA kernel flash_attention would run for these inputs (see _chosen_kernel)."""
     q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
-    return _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens)[3]
+    return _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens).kernel
 
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, impl="flash",
@@ -1083,6 +1157,7 @@ class Encoder(nn.Module):
         if cu_seqlens is not None and positions is None:
             positions = documents(cu_seqlens, idx.size(-1), idx.device)[1]
         if positions is not None:  # named here: past the tables' end it would be a bare IndexError
+            _check_positions(positions, idx.size(-1))
             _check_range(positions, 0, self.config.max_len, "positions inside each document or shard")
         x = self._embed(idx, positions)  # (B, T, d_model)
         for layer in self.layers:
@@ -1668,19 +1743,33 @@ def _positions(T, max_len, positions):
     """What a positional encoding indexes its table with: positions (indexing checks their range), or
     0 .. T-1 after checking T (a slice past the table's end would silently be shorter)."""
     if positions is not None:
-        return positions
+        return _check_positions(positions, T)
     if T > max_len:
         raise ValueError(f"sequence length {T} exceeds max_len={max_len}")
     return slice(0, T)
 
 
+def _check_positions(positions, T):
+    """positions, if it gives one position to each of the T tokens; else a clear error (broadcast, a wrong
+    length would put tokens at another token's position). Its shape is known on the host: no sync."""
+    if positions.shape != (T,):
+        raise ValueError(f"positions must give one position to each of the {T} tokens, a ({T},) tensor, got "
+                         f"shape {tuple(positions.shape)}")
+    return positions
+
+
+def _host_value(t):
+    """A CPU tensor's value on the host, outside torch.compile: a CPU has no device to wait for."""
+    return t.tolist()
+
+
 def _check_range(t, lo, hi, name):
     """Raise unless lo <= t < hi everywhere, without a host-device sync: on a CPU the values are read
-    (tolist: no device to wait for) and named; elsewhere, and under torch.compile, a device-side assert."""
+    (_host_value) and named; elsewhere, and under torch.compile, a device-side assert."""
     if t.numel() == 0:
         return
     if t.device.type == "cpu" and not torch.compiler.is_compiling():
-        t_min, t_max = (x.tolist() for x in torch.aminmax(t))
+        t_min, t_max = (_host_value(x) for x in torch.aminmax(t))
         if t_min < lo or t_max >= hi:
             raise ValueError(f"{name} must lie in [{lo}, {hi}), got min {t_min} max {t_max}")
     else:

@@ -45,13 +45,14 @@ def shard_sequence(x, rank, world_size, layout="contiguous", dim=-2):
 
 
 @torch.compiler.disable  # point-to-point messages have no place in a compiled graph
-def ring_attention(q, k, v, *, is_causal=False, scale=None, group=None, layout="contiguous"):
+def ring_attention(q, k, v, *, is_causal=False, scale=None, group=None, layout="contiguous", chunk_size=None):
     """softmax(Q K^T * scale) V over a sequence sharded across the ranks of a process group.
 
     q (B, H, L/P, D), k (B, H, L/P, D), v (B, H, L/P, Dv): this rank's shard, in `layout`
     (shard_sequence); returns this rank's shard of the output, (B, H, L/P, Dv). group=None:
-    the default process group. Differentiable; float16 and bfloat16 follow the chunked path,
-    and under autocast float32 inputs are computed in autocast's dtype, as by SDPA.
+    the default process group. chunk_size: the blocks of every step, as the chunked path's (None:
+    the device's default). Differentiable; float16 and bfloat16 follow the chunked path, and under
+    autocast float32 inputs are computed in autocast's dtype, as by SDPA.
 
     Every call checks, with one small all-reduce, that all ranks pass shards of one shape, dtype
     and layout and the same is_causal and scale. On a CPU every rank then raises a ValueError
@@ -60,7 +61,8 @@ def ring_attention(q, k, v, *, is_causal=False, scale=None, group=None, layout="
     on one rank alone before this call (a bad token id, say) leaves the others waiting in it.
     """
     q, k, v, scale = _check_ring_args(q, k, v, is_causal, scale, group, layout)
-    return _RingAttention.apply(q, k, v, is_causal, scale, group, layout)
+    cq, ck = mt._chunks(mt.default_chunk_size(q.device) if chunk_size is None else chunk_size)
+    return _RingAttention.apply(q, k, v, is_causal, scale, group, layout, cq, ck)
 
 
 # -----------------------------------------------------------------------------
@@ -112,25 +114,24 @@ def _wait(requests):
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, is_causal, scale, group, layout):
-        out, m, log2_l = _ring_forward(q, k, v, is_causal, scale, group, layout)
+    def forward(ctx, q, k, v, is_causal, scale, group, layout, cq, ck):
+        out, m, log2_l = _ring_forward(q, k, v, is_causal, scale, group, layout, cq, ck)
         ctx.save_for_backward(q, k, v, out, m, log2_l)
-        ctx.options = is_causal, scale, group, layout
+        ctx.options = is_causal, scale, group, layout, cq, ck
         return out.to(q.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         dq, dk, dv = _ring_backward(dout, *ctx.saved_tensors, *ctx.options)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, *[None] * 6
 
 
 @mt._autocast_off
-def _ring_forward(q, k, v, is_causal, scale, group, layout):
+def _ring_forward(q, k, v, is_causal, scale, group, layout, cq, ck):
     """out (float32), row max m and log2(l), after P steps of the chunked forward's block update,
-    continued from one visiting K/V block to the next."""
+    continued from one visiting K/V block to the next, in blocks of cq queries and ck keys."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    cq, ck = mt.default_chunk_size(q.device)
     q = q.contiguous()
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     o = q.new_zeros(*q.shape[:-1], v.size(-1), dtype=acc_dtype)  # (B, H, n, Dv): the running output
@@ -153,12 +154,11 @@ def _ring_forward(q, k, v, is_causal, scale, group, layout):
 
 
 @mt._autocast_off
-def _ring_backward(dout, q, k, v, out, m, log2_l, is_causal, scale, group, layout):
+def _ring_backward(dout, q, k, v, out, m, log2_l, is_causal, scale, group, layout, cq, ck):
     """dq, dk, dv: the chunked backward's block update at every step, against the final row statistics.
     The visiting block's dK and dV arrive from the previous rank while this step computes its own share;
     the share is added into them and they go on, to arrive home after the last step."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    cq, ck = mt.default_chunk_size(q.device)
     dout, q = dout.contiguous(), q.contiguous()
     kv = k.contiguous(), v.contiguous()  # what travels must be contiguous
     dq = torch.zeros_like(q, dtype=out.dtype)
@@ -191,18 +191,20 @@ def _ring_backward(dout, q, k, v, out, m, log2_l, is_causal, scale, group, layou
 # An encoder on a sharded sequence
 
 
-def ring_impl(group=None, layout="contiguous"):
+def ring_impl(group=None, layout="contiguous", chunk_size=None):
     """ring_attention as a MultiHeadAttention impl (minitransformer.attention's impl=): it refuses
     what the ring does not do, a mask, dropout, a window and packed documents, with a clear error."""
-    return functools.partial(_ring_impl, group=group, layout=layout)
+    return functools.partial(_ring_impl, group=group, layout=layout, chunk_size=chunk_size)
 
 
-def _ring_impl(q, k, v, attn_mask, dropout_p, is_causal, scale, *, window_size, cu_seqlens=None, group, layout):
+def _ring_impl(q, k, v, attn_mask, dropout_p, is_causal, scale, *, window_size, cu_seqlens=None, group, layout,
+               chunk_size):
     if attn_mask is not None or dropout_p > 0.0 or window_size is not None or cu_seqlens is not None:
         raise ValueError(f"ring attention takes no attn_mask, no dropout, no window_size and no cu_seqlens, got "
                          f"attn_mask={None if attn_mask is None else tuple(attn_mask.shape)}, dropout_p={dropout_p}, "
                          f"window_size={window_size}, cu_seqlens={cu_seqlens}")
-    return ring_attention(q, k, v, is_causal=is_causal, scale=scale, group=group, layout=layout)
+    return ring_attention(q, k, v, is_causal=is_causal, scale=scale, group=group, layout=layout,
+                          chunk_size=chunk_size)
 
 
 class ShardedEncoder(nn.Module):
@@ -214,9 +216,10 @@ class ShardedEncoder(nn.Module):
     window_size=None. Its weights are the encoder's own, and its layers attend through the ring
     only inside this forward: the encoder itself still runs unsharded. So nothing may recompute a
     layer outside it (reentrant torch.utils.checkpoint would recompute it without the ring).
+    chunk_size: the ring's blocks (ring_attention).
     """
 
-    def __init__(self, encoder, group=None, layout="contiguous"):
+    def __init__(self, encoder, group=None, layout="contiguous", chunk_size=None):
         super().__init__()
         c = encoder.config
         if c.dropout or c.window_size is not None:
@@ -224,7 +227,7 @@ class ShardedEncoder(nn.Module):
                              f"window_size=None, got dropout={c.dropout}, window_size={c.window_size}")
         if layout not in RING_LAYOUTS:
             raise ValueError(f"layout must be one of {RING_LAYOUTS}, got {layout!r}")
-        self.encoder, self.group, self.layout = encoder, group, layout
+        self.encoder, self.group, self.layout, self.chunk_size = encoder, group, layout, chunk_size
 
     def attention_weights(self, *args, **kwargs):
         raise ValueError("attention_weights needs the whole sequence on one device: call it on the unsharded "
@@ -241,7 +244,7 @@ class ShardedEncoder(nn.Module):
         impls = [attn.impl for attn in attns]
         try:
             for attn in attns:
-                attn.impl = ring_impl(self.group, self.layout)
+                attn.impl = ring_impl(self.group, self.layout, self.chunk_size)
             return self.encoder(idx, is_causal=is_causal, positions=positions)
         finally:
             for attn, impl in zip(attns, impls):

@@ -55,8 +55,8 @@ except ImportError:
 LINUX_MEMORY = sys.platform.startswith("linux") and os.path.exists("/proc/self/clear_refs") and resource is not None
 
 COLUMNS = ["device", "torch", "dtype", "series", "path", "kernel", "mode", "causal", "window", "docs", "B", "H",
-           "D", "n", "world", "ms", "comm_ms", "peak_mib", "predicted_mib", "rss_mib", "tflops", "pct_matmul",
-           "pairs", "matmul_tflops", "mem_budget_gib", "status"]
+           "D", "n", "world", "ms", "ms_min", "ms_max", "comm_ms", "peak_mib", "predicted_mib", "rss_mib", "tflops",
+           "pct_matmul", "pairs", "matmul_tflops", "mem_budget_gib", "status", "noise"]
 MODES = ("fwd", "fwd+bwd")
 MIB = 2**20
 SDPA_SERIES = {"sdpa-flash": "flash", "sdpa-efficient": "efficient", "sdpa-cudnn": "cudnn"}
@@ -654,9 +654,11 @@ def measure_point(spec):
     reps = max(spec["min_repeats"] - 1, min(20, int(spec["target_s"] / max(first, 1e-6))) - 1)
     if spec["path"] == "ring":  # every rank must run the same number of ring calls
         reps = spec["min_repeats"] - 1
-    ms = 1e3 * statistics.median([first] + [work.timed(step) for _ in range(reps)])
+    times = [1e3 * t for t in [first] + [work.timed(step) for _ in range(reps)]]
+    ms = statistics.median(times)
     comm = ms * _ring_wait_share(work, step) if spec["path"] == "ring" and not cuda else None
-    return {"kernel": kernel, "ms": ms, "comm_ms": comm, "peak_mib": alloc.mib, "rss_mib": rss}
+    return {"kernel": kernel, "ms": ms, "ms_min": min(times), "ms_max": max(times), "comm_ms": comm,
+            "peak_mib": alloc.mib, "rss_mib": rss}
 
 
 def _ring_wait_share(work, step):
@@ -845,7 +847,7 @@ class WorkerRunner:
             raise (PointOOM if status == "oom" else PointUnsupported)(payload)
         results = [payload for _, payload in answers]
         worst = {name: None if results[0][name] is None else max(r[name] for r in results)
-                 for name in ("ms", "comm_ms", "peak_mib", "rss_mib") if name in results[0]}
+                 for name in ("ms", "ms_min", "ms_max", "comm_ms", "peak_mib", "rss_mib") if name in results[0]}
         return {**results[0], **worst}  # per rank: the slowest rank's time, the largest memory
 
     def close(self):
@@ -966,8 +968,30 @@ def predicted_mib(point, threads=None):
     return None if terms is None else sum(terms.values()) / MIB
 
 
+NOISY = 1.25  # a point whose slowest repeat took over 1.25x its fastest is measured once more, then marked
+
+
+def spread(result):
+    """The slowest repeat of a point over its fastest (1.0: all alike), or None where not recorded."""
+    lo, hi = result.get("ms_min"), result.get("ms_max")
+    return float(hi) / max(float(lo), 1e-9) if lo not in (None, "") and hi not in (None, "") else None
+
+
+def _measured_once_more(p, r, runner):
+    """(result, noise): a point whose repeats spread wider than NOISY is measured once more, and the run of
+    the two that spread less is kept; noise says so, with the other run's median and spread (so nothing
+    measured is lost), and "noisy" where both spread wider than NOISY."""
+    if (first := spread(r)) is None or first <= NOISY:
+        return r, ""
+    again = runner(p)
+    kept, other = (again, r) if spread(again) < first else (r, again)
+    noise = f"measured twice; the other run: {other['ms']:.3f} ms, spread {spread(other):.2f}x"
+    return kept, ("noisy, " if spread(kept) > NOISY else "") + noise
+
+
 def sweep(points, runner, log, done, ceiling, threads, say=print, predict_wall=False):
-    """Measure every point not in `done`; OOM stops that curve, any other error stops the run.
+    """Measure every point not in `done`; OOM stops that curve, any other error stops the run. A point
+    whose repeats spread wide is measured once more (_measured_once_more).
 
     predict_wall: no limit holds the worker to its budget (an OS without RLIMIT_AS), so a point whose
     predicted peak and inputs, times the model's band (BAND[1]: the most it may be off), exceed the
@@ -989,10 +1013,11 @@ def sweep(points, runner, log, done, ceiling, threads, say=print, predict_wall=F
                 if need > 1024 * float(p["mem_budget_gib"]):
                     raise PointOOM(f"predicted: {need:.0f} MiB with the inputs and the model's margin > the "
                                    "budget (no RLIMIT_AS here)")
-            r = runner(p)
+            r, noise = _measured_once_more(p, runner(p), runner)
             predicted = predicted_mib({**p, "kernel": r["kernel"]}, threads)
             tflops = computed_flops(p) / (r["ms"] / 1e3) / 1e12
             row = {**base, "kernel": r["kernel"], "ms": f"{r['ms']:.3f}", "peak_mib": f"{r['peak_mib']:.1f}",
+                   **{c: f"{r[c]:.3f}" for c in ("ms_min", "ms_max") if r.get(c) is not None}, "noise": noise,
                    "predicted_mib": "" if predicted is None else f"{predicted:.1f}", "tflops": f"{tflops:.4f}",
                    "comm_ms": "" if r.get("comm_ms") is None else f"{r['comm_ms']:.3f}",
                    "rss_mib": "" if r.get("rss_mib") is None else f"{r['rss_mib']:.1f}",
@@ -1000,7 +1025,8 @@ def sweep(points, runner, log, done, ceiling, threads, say=print, predict_wall=F
                    "pairs": f"{computed_pairs(p) / p['n'] ** 2:.4f}", "status": "ok"}
             rss = "" if r.get("rss_mib") is None else f", RSS {r['rss_mib']:.0f}"
             model = "not modelled" if predicted is None else f"predicted {predicted:.0f}"
-            say(f"{label}: {r['ms']:.1f} ms, {r['peak_mib']:.0f} MiB ({model}{rss}) ({r['kernel']})")
+            said = f", {noise.split(';')[0]}" if noise else ""
+            say(f"{label}: {r['ms']:.1f} ms, {r['peak_mib']:.0f} MiB ({model}{rss}) ({r['kernel']}){said}")
         except PointOOM as e:
             stopped.add((p["series"], p["mode"]))
             row = {**base, "status": f"oom: {e}"[:120]}
@@ -1093,8 +1119,14 @@ def plot(rows, out_dir, title):
         def draw(ax, mode):
             for s in series:
                 if rs := curves.get((s, mode)):
-                    ax.loglog([int(r["n"]) for r in rs], [max(float(r[col]), 1e-3) for r in rs], "-", base=2,
-                              label=f"{s} (exponent {_exp(fits[(s, mode)][what])})", **style[s])
+                    ns, ys = [int(r["n"]) for r in rs], [max(float(r[col]), 1e-3) for r in rs]
+                    ax.loglog(ns, ys, "-", base=2, label=f"{s} (exponent {_exp(fits[(s, mode)][what])})", **style[s])
+                    spread_of = [r for r in rs if spread(r) is not None]
+                    if what == "time" and spread_of:  # the fastest and slowest repeat of each point
+                        ax.errorbar([int(r["n"]) for r in spread_of], [float(r["ms"]) for r in spread_of],
+                                    yerr=[[float(r["ms"]) - float(r["ms_min"]) for r in spread_of],
+                                          [float(r["ms_max"]) - float(r["ms"]) for r in spread_of]],
+                                    fmt="none", ecolor=style[s]["color"], capsize=3, lw=1)
             if what == "memory" and budget_mib:  # the wall: the budget, and where each curve hit it
                 ax.axhline(budget_mib, color="gray", ls="--", lw=1, label=f"memory budget {budget_mib / 1024:.3g} GiB")
                 for s, m, _, oom, _ in walls:
@@ -1115,15 +1147,23 @@ def plot(rows, out_dir, title):
         return f"speed-up over naive, {mode}"
 
     figure("memory", "peak memory above the inputs (MiB, allocator)", curve("memory", "peak_mib"))
-    figure("time", "time (ms)", curve("time", "ms"))
+    figure("time", "time (ms; bars: fastest and slowest repeat)", curve("time", "ms"))
     if any(s == "naive" for s, _ in curves):  # else nothing to compare with
         figure("speedup", "naive time / path time", speedup)
     return files
 
 
 def _ratio(row, base, col):
-    """row[col] / base[col] as "1.23x"; "-" where either row is missing."""
-    return f"{float(row[col]) / max(float(base[col]), 1e-3):.2f}x" if row and base else "-"
+    """row[col] / base[col] as "1.23x"; "-" where either row is missing. Times carry the spread their repeats
+    allow, (row's fastest / base's slowest - row's slowest / base's fastest), where both recorded it."""
+    if not (row and base):
+        return "-"
+    text = f"{float(row[col]) / max(float(base[col]), 1e-3):.2f}x"
+    if col == "ms" and spread(row) is not None and spread(base) is not None:
+        lo = float(row["ms_min"]) / float(base["ms_max"])
+        hi = float(row["ms_max"]) / max(float(base["ms_min"]), 1e-3)
+        text += f" ({lo:.2f}-{hi:.2f})"
+    return text
 
 
 def _at(curves, series, mode, n):
@@ -1134,6 +1174,24 @@ def _table(header, rows):
     """A Markdown table: header cells, then one list of cells per row."""
     return ["| " + " | ".join(str(c) for c in header) + " |", "|" + " --- |" * len(header)] + [
         "| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def _spread_cell(r):
+    return "-" if spread(r) is None else f"{spread(r):.2f}x"
+
+
+def noise_report(rows):
+    """The spread of the repeats: which points were measured twice, and which stayed noisy."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not any(spread(r) is not None for r in ok):
+        return ["", "Spread of the repeats: not recorded in this CSV (written before study.py recorded it)."]
+    twice = [r for r in ok if r.get("noise")]
+    noisy = [f"{r['series']} {r['mode']} n={r['n']} ({spread(r):.2f}x)" for r in twice if r["noise"].startswith("noisy")]
+    lines = ["", f"Spread: each point's slowest repeat over its fastest (time: their median). {len(twice)} of {len(ok)} "
+             f"points spread wider than {NOISY:g}x and were measured once more, keeping the run that spread less"]
+    lines[-1] += (f"; still wider after it, so their times and the ratios from them are noisy: {'; '.join(noisy)}."
+                  if noisy else "; none stayed wider.")
+    return lines
 
 
 def _over_predicted(r):
@@ -1193,11 +1251,12 @@ def report(rows):
         memory = _exp(f["memory"])  # its plain slope only beside it: alone, a constant makes it look sublinear
         if f["memory"] is not None and f["memory_slope"] is not None:
             memory += f" ({f['memory_slope']:.2f})"
-        table.append([f"{s} ({r['kernel']})", mode, r["n"], f"{float(r['ms']):.1f}", f"{float(r['peak_mib']):.1f}",
-                      r.get("predicted_mib") or "-", r.get("rss_mib") or "-", f"{float(r['tflops']):.3f}",
-                      r["pct_matmul"], memory, _exp(f["rss_slope"]), _exp(f["time"])])
-    lines += _table(["series", "mode", "largest n", "ms", "peak MiB", "predicted MiB", "RSS MiB", "TFLOP/s",
+        table.append([f"{s} ({r['kernel']})", mode, r["n"], f"{float(r['ms']):.1f}", _spread_cell(r),
+                      f"{float(r['peak_mib']):.1f}", r.get("predicted_mib") or "-", r.get("rss_mib") or "-",
+                      f"{float(r['tflops']):.3f}", r["pct_matmul"], memory, _exp(f["rss_slope"]), _exp(f["time"])])
+    lines += _table(["series", "mode", "largest n", "ms", "spread", "peak MiB", "predicted MiB", "RSS MiB", "TFLOP/s",
                      "% of matmul", "memory exponent", "RSS slope", "time exponent"], table)
+    lines += noise_report(rows)
     not_run = {}  # series and modes that stopped for another reason than memory: never silently absent
     for r in rows:
         if r["status"].startswith(("unsupported", "error")):
@@ -1321,7 +1380,8 @@ def claims(curves, fits):
             x = float(a["ms"]) / float(b["ms"])
             verdict = "within" if 2 <= x <= 4 else ("above" if x > 4 else "below")
             lines.append(f"- \"The fused kernel is 2-4x faster than the standard implementation\" ({mode}, "
-                         f"n={common[-1]}, kernel {b['kernel']}): measured {x:.2f}x, {verdict} the claimed range.")
+                         f"n={common[-1]}, kernel {b['kernel']}): measured {_ratio(a, b, 'ms')}, {verdict} the "
+                         "claimed range.")
     return lines
 
 
@@ -1495,12 +1555,24 @@ def predict(args, device, lengths, series, batch, modes):
         rate = measure_matmul({"device": device.type, "dtype": dtype, "N": 2048 if cpu else 8192, "seconds": 1.0})
         bound = (f"time >= the path's matmuls at {rate['tflops']:.3f} TFLOP/s, this {device.type}'s {dtype} rate "
                  "measured now (FLOPs: FlashAttention's count, fwd+bwd 3.5x fwd; naive's backward does 3x)")
+    ask = device.type == "cuda" and torch.cuda.is_available()  # a GPU here: torch names SDPA's kernel itself
+    kernels = ("SDPA's kernel: torch's own choice on inputs of each shape" if ask or device.type == "cpu" else
+               "SDPA's kernel assumed (no GPU here to ask torch): FlashAttention without a mask in 16 bits, else "
+               "the efficient kernel; on sm90 or newer torch 2.11 and later may choose cuDNN, whose workspace the "
+               "model does not cover")
     print(f"predicted for {device.type} (the memory model: nothing measured), {dtype}, H={args.heads}, "
           f"D={args.head_dim}{', causal' if args.causal else ''}: peak above the inputs q, k, v (and dout for "
-          f"fwd+bwd); fits: with the inputs, within {f'{budget:g} GiB' if budget else 'no budget given'}; {bound}")
+          f"fwd+bwd); fits: with the inputs, within {f'{budget:g} GiB' if budget else 'no budget given'}; {bound}; "
+          f"{kernels}")
     for p in points(args, device.type, dtype, lengths, series, batch, modes):
         line = f"{p['series']:<17} {p['mode']:<7} n={p['n']:<6} B={p['B']:<3}"
-        kernel = f"; kernel {sdpa_kernel(p)}" if p["path"] not in ("naive", "chunked", "ring") else ""
+        kernel = ""
+        if p["path"] not in ("naive", "chunked", "ring"):
+            asked = ask and _asked_kernel(p)
+            p = {**p, "kernel": asked} if asked else p
+            name = sdpa_kernel(p)
+            kernel = (f"; kernel {name}" + (" (assumed)" if p["path"] == "flash" and not asked and device.type == "cuda"
+                                             else "") + (", its workspace not modelled" if name == "cudnn" else ""))
         if (terms := predicted_terms(p)) is None:
             print(f"{line} not modelled: no kernel that the model covers can run it")
             continue
@@ -1513,6 +1585,25 @@ def predict(args, device, lengths, series, batch, modes):
             time_ = f"  time >= {matmuls / ways / rate['tflops'] / 1e12:.3g} s"
         print(f"{line} peak {_size(peak):>10}  fits {fits:<3}  {flops:9.3g} FLOPs{time_}  "
               f"largest: {largest} ({terms[largest] / peak:.0%}){kernel}")
+
+
+def _asked_kernel(point):
+    """The kernel torch picks for a flash point on this GPU, asked on inputs of its shape (empty tensors: the
+    inputs alone, and the mask a window or documents make); None where they do not fit."""
+    p, dtype = point, getattr(torch, point["dtype"])
+    try:
+        q, k, v = (torch.empty(p["B"], p["H"], p["n"], p["D"], device="cuda", dtype=dtype) for _ in range(3))
+        if p["path"] in SDPA_SERIES:
+            with torch.nn.attention.sdpa_kernel(mt._KERNELS[SDPA_SERIES[p["path"]]]):
+                return mt._chosen_kernel(q, k, v, None, 0.0, p["causal"], None)
+        cu_seqlens = torch.tensor(packed_offsets(p["n"], p["docs"])) if p.get("docs") else None
+        return mt.sdpa_kernel_name(q, k, v, is_causal=p["causal"], window_size=p["window"], cu_seqlens=cu_seqlens)
+    except torch.cuda.OutOfMemoryError:
+        return None
+    except RuntimeError:  # no enabled kernel takes these inputs
+        return "math"
+    finally:
+        torch.cuda.empty_cache()
 
 
 def compare(args, info, dtype, lengths, series, B, modes, runner, out, command):
@@ -1536,11 +1627,14 @@ def compare(args, info, dtype, lengths, series, B, modes, runner, out, command):
                 lines += [f"Not measured: {'out of memory' if isinstance(e, PointOOM) else 'unsupported'}: {e}", ""]
             else:
                 names = list(res)
-                lines += _table(["series", "kernel", "median ms"], [
-                    [m, res[m]["kernel"], f"{1e3 * statistics.median(res[m]['times']):.1f}"] for m in names])
-                lines += [""] + _table(["time(a) / time(b), median of per-round ratios", "ratio"], [
-                    [f"{a} / {b}", f"{statistics.median(x / y for x, y in zip(res[a]['times'], res[b]['times'])):.2f}x"]
-                    for i, a in enumerate(names) for b in names[i + 1:]]) + [""]
+                lines += _table(["series", "kernel", "median ms", "fastest - slowest ms"], [
+                    [m, res[m]["kernel"], f"{1e3 * statistics.median(res[m]['times']):.1f}",
+                     f"{1e3 * min(res[m]['times']):.1f} - {1e3 * max(res[m]['times']):.1f}"] for m in names])
+                per_round = {(a, b): [x / y for x, y in zip(res[a]["times"], res[b]["times"])]
+                             for i, a in enumerate(names) for b in names[i + 1:]}
+                lines += [""] + _table(["time(a) / time(b), per-round ratios", "median", "lowest - highest"], [
+                    [f"{a} / {b}", f"{statistics.median(r):.2f}x", f"{min(r):.2f}x - {max(r):.2f}x"]
+                    for (a, b), r in per_round.items()]) + [""]
             print("\n".join(lines[start:]))
             with open(path, "w") as f:
                 f.write("\n".join(lines))
