@@ -1822,23 +1822,23 @@ def ring_options_case(rank, world, layout, causal):
     return [(x - shard(r)).abs().max().item() for x, r in zip(ours, ref)]
 
 
-def ring_memory_case(rank, world, mode):
+def ring_memory_case(rank, world, mode, chunk_size):
     """This rank's peak above its inputs, measured by the allocator (study._AllocPeak), over the memory model's
-    (study.ring_memory), float32, B=1, H=8, n=2048 over `world` ranks, D=64: a shape where the K/V and dK/dV
-    pairs in flight weigh."""
+    (study.ring_memory), float32, B=1, H=8, n=2048 over `world` ranks, D=64: with the CPU's blocks of 256 a step's
+    compute weighs most, with blocks of 64 the start of a pass, when the most K/V and dK/dV pairs are in flight."""
     n, D, train = 2048, 64, mode == "fwd+bwd"
     g = torch.Generator().manual_seed(rank)
     q, k, v, dout = (torch.randn(1, 8, n // world, D, generator=g).requires_grad_(train) for _ in range(4))
-    cq, ck = mt.default_chunk_size("cpu")
+    cq, ck = chunk_size
 
     def step():
         for t in (q, k, v):
             t.grad = None
         if train:
-            ring.ring_attention(q, k, v).backward(dout.detach())
+            ring.ring_attention(q, k, v, chunk_size=chunk_size).backward(dout.detach())
         else:
             with torch.no_grad():
-                ring.ring_attention(q, k, v)
+                ring.ring_attention(q, k, v, chunk_size=chunk_size)
     step()  # warm-up
     with study._AllocPeak() as peak:
         step()
@@ -1906,7 +1906,7 @@ def test_ring_attention_equals_full_attention(world, tmp_path):
 def test_ring_encoder_equals_the_unsharded_encoder_its_memory_is_modelled_and_bad_input_refused(tmp_path):
     cases = [("encoder", layout, pos, True) for layout in ring.RING_LAYOUTS for pos in POS]
     cases += [("encoder", "zigzag", "rope", False)] + [("options", layout, True) for layout in ring.RING_LAYOUTS]
-    memory = [("memory", mode) for mode in study.MODES]
+    memory = [("memory", mode, blocks) for mode in study.MODES for blocks in ((256, 256), (64, 64))]
     results = run_ring(2, cases + memory + [("errors",)], tmp_path)
     for case in cases:
         for errors in results[case]:
