@@ -701,11 +701,13 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     where torch cannot report its kernel (MPS, XPU), SDPA runs unchecked.
 
     Float masks: a CPU's fused kernel adds them in float32, so the precision rule holds for any bias.
-    On CUDA a fused kernel reads the mask in q's dtype: a float32 bias b reaches it rounded to 16 bits,
-    an error of up to |b| * 2^-9 in the logits in bfloat16 (2^-12 in float16, which also clamps it to
-    +-65504); the rule then holds while that stays below the rounding of the scores themselves, |b| no
-    larger than the scores. For larger biases in 16 bits use chunked, which adds them in float32.
-    Rows whose bias is far from 0 are computed as SDPA's math computes them (_far_rows).
+    On CUDA a fused kernel reads the mask in q's dtype: a float32 bias b (each row shifted to a maximum of
+    0 first) reaches it rounded to 16 bits, an error of up to |b| * 2^-8 in the logits in bfloat16 (2^-11
+    in float16, which also clamps it to +-65504); the rule then holds while that stays below the rounding
+    of the scores themselves, |b| no larger than the scores. For larger biases in 16 bits use chunked,
+    which adds them in float32. Rows whose bias is far from 0, which the fused kernels get wrong, are
+    shifted and, where swamped, computed as SDPA's math computes them; off the CPU and under compile that
+    costs every float mask a copy and, with k's gradient, twice the time (_far_rows).
     """
     if on_math not in ("warn", "raise", "allow"):
         raise ValueError(f"on_math must be 'warn', 'raise' or 'allow', got {on_math!r}")
@@ -713,8 +715,8 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     call = _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens)
     if call.kernel == "math" and on_math != "allow":
         why = (f"no fused SDPA kernel accepts these inputs (device={q.device.type}, dtype={q.dtype}, "
-               f"dropout_p={dropout_p}, mask={None if call.mask is None else call.mask.dtype}, head dim={q.size(-1)}); "
-               "running the unfused math kernel")
+               f"dropout_p={dropout_p}, mask={None if call.mask is None else call.mask.dtype}, "
+               f"head dim={call.q.size(-1)}); running the unfused math kernel")
         if on_math == "raise":
             raise RuntimeError(why)
         warnings.warn(why, stacklevel=2)
@@ -781,11 +783,15 @@ def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_
 # A bias far from 0 breaks the fused kernels' backward. They keep per query the logsumexp m + log(l) and
 # recompute P = exp(S - m - log(l)); beside |m| >= 2^24 a float32 m + log(l) loses log(l), so P comes out
 # up to l times too large (PyTorch's CPU flash kernel: dq off by 8.7 with one finfo.min row of 12 keys).
-# Softmax does not change when a row's bias is shifted, so flash shifts such a row to a maximum of 0.
-# A row whose every key carries -2^64 or less (Hugging Face's finfo(float32).min, under causal masking with
-# left padding) swamps its scores, even in float64: SDPA's math gives it softmax(bias) V, and its
-# gradients are those of the formula, in which the scores still count. Flash gives it that too, with its
-# scores switched off (_switch_off_scores).
+# Softmax does not change when a row's bias is shifted, so flash shifts such a row to a maximum of 0, and
+# then computes it as float64 would: exactly, where float32 attention (naive, chunked, SDPA's math kernel)
+# rounds its scores to the bias's precision. A row whose every key carries -2^64 or less (Hugging Face's
+# finfo(float32).min, under causal masking with left padding) swamps its scores, even in float64: SDPA's
+# math gives it softmax(bias) V, with the gradients of the formula, in which the scores still count.
+# Flash gives it that too, with its scores switched off (_switch_off_scores). Where it cannot look (off the
+# CPU, under torch.compile) flash shifts every row (a copy of the mask, which the backward keeps) and
+# switches off scores for every row that might be swamped: a second half of the head dimension, about
+# twice the time, whenever k needs a gradient. A bool mask (True = may attend) costs none of this.
 _FAR, _SWAMPING = 2.0**24, 2.0**64
 
 
@@ -793,12 +799,13 @@ def _far_rows(mask, can_look):
     """(mask, swamped): the float mask with every row whose largest finite bias is 2^24 or more from 0
     shifted to a maximum of 0, and the rows (.., Lq, 1) whose largest bias is -2^64 or less (None if none).
     can_look: a CPU outside torch.compile, where reading whether any row is far waits for no device, and
-    where the mask is copied only if one is; elsewhere every float mask that can hold such values is."""
+    where the mask is copied only if one is. Elsewhere every finite row is shifted, which also keeps a row
+    of large, close biases apart in the 16-bit copy a fused CUDA kernel reads."""
     if torch.finfo(mask.dtype).max < _FAR:  # float16: no value is far
         return mask, None
     row_max = mask.detach().amax(-1, keepdim=True)  # (.., Lq, 1)
     finite = torch.isfinite(row_max)
-    far, swamped = finite & (row_max.abs() >= _FAR), finite & (row_max <= -_SWAMPING)
+    far, swamped = finite & (row_max.abs() >= _FAR if can_look else True), finite & (row_max <= -_SWAMPING)
     if can_look:
         if not _host_value(far.any()):
             return mask, None
@@ -900,6 +907,8 @@ class MultiHeadAttention(nn.Module):
         q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        if positions is not None:
+            _check_positions(positions, T)
         if self.rope is not None:
             if positions is None and cu_seqlens is not None:
                 positions = documents(cu_seqlens, T, x.device)[1]

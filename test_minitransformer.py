@@ -752,16 +752,17 @@ def test_flash_never_falls_back_silently():
 def test_flash_plans_what_each_cuda_kernel_gets(kernel, dtype):
     # what flash hands each CUDA kernel, planned on the CPU with that kernel's choice faked ("unknown": under
     # torch.compile), then computed by SDPA here: a float32 bias (std 1, as a model holds it) with a dead row, a
-    # finfo.min row and a row far from 0. A fused kernel reads the mask in q's dtype (the rounding the docstring
-    # states), the math kernel keeps float32; cuDNN and an unknown kernel get the dead rows re-opened; no device can
-    # be asked whether a row is far, so far rows are always shifted and finfo.min rows switched off. The result:
-    # FlashAttention's rule against SDPA's math kernel in float64, output and every gradient.
+    # finfo.min row, a row far from 0 and one of large, close biases. A fused kernel reads the mask in q's dtype
+    # (the rounding the docstring states), the math kernel keeps float32; cuDNN and an unknown kernel get the dead
+    # rows re-opened; no device can be asked whether a row is far, so every row is shifted and finfo.min rows
+    # switched off. The result: FlashAttention's rule against SDPA's math kernel in float64, every gradient too.
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(2, 2, 64, 32, generator=g, dtype=torch.float64) for _ in range(4))
     bias = torch.randn(2, 1, 64, 64, generator=g)
     bias[:, :, 5] = -math.inf  # dead
     bias[0, :, 9] = torch.finfo(torch.float32).min  # swamped: the average of v
     bias[1, :, 11] += -1e9  # far from 0: softmax of its scores
+    bias[0, :, 13] += -1e5  # large, close biases: apart in a 16-bit copy only once the row is shifted
     scale = 32 ** -0.5
 
     def planned(q, k, v, b):
@@ -775,8 +776,12 @@ def test_flash_plans_what_each_cuda_kernel_gets(kernel, dtype):
     dead = torch.isneginf(bias).all(-1, keepdim=True)
     want = grads_of(lambda q, k, v, b: reference(q, k, v, bias=b), q, k, v, dout, bias.double())
     low = [t.to(dtype) for t in (q, k, v, dout)]
+    # the tolerance's scale: standard attention in dtype, its far row shifted by hand (else its scores round to
+    # the bias's 64 and the rule would allow anything); the swamped row left as it is, the average of v
+    careful = bias.clone()
+    careful[1, :, 11] -= careful[1, :, 11].max()
     std = grads_of(lambda q, k, v, b: attention_ref(q, k, v, b.masked_fill(dead, 0.0)).masked_fill(dead, 0.0),
-                   *low, bias)
+                   *low, careful)
     got = grads_of(planned, *low, bias)
     call = planned.call
     assert call.mask.dtype == (torch.float32 if kernel == "math" or dtype == torch.float32 else dtype)
@@ -1389,10 +1394,12 @@ def test_positions_of_the_wrong_length_are_refused_by_name():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # small heads
         mha = mt.MultiHeadAttention(32, 2, rope=mt.RotaryEmbedding(16, 16))
+        plain = mt.MultiHeadAttention(32, 2)  # no rope: the positions would go unused, never silently
         models = {pos: mt.Encoder(mt.EncoderConfig(pos_encoding=pos, **TINY)) for pos in POS}
     for call in (lambda: mt.SinusoidalPositionalEncoding(32, 16)(x, one),
                  lambda: mt.LearnedPositionalEncoding(32, 16)(x, one),
                  lambda: mt.RotaryEmbedding(16, 16)(torch.randn(2, 2, 5, 16), one), lambda: mha(x, positions=one),
+                 lambda: plain(x, positions=one),
                  *[lambda m=m: m(torch.zeros(2, 5, dtype=torch.long), positions=one) for m in models.values()]):
         with pytest.raises(ValueError, match=message):
             call()
@@ -1948,6 +1955,29 @@ def test_cuda_bf16_matches_float64(impl):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_hugging_face_min_rows_give_sdpas_math_result(dtype):
+    # on a GPU's own kernels: a float32 mask with rows at finfo.min (swamped) and one at -1e9 (far), flash against
+    # SDPA's math kernel in float64, output and dq, dk, dv: FlashAttention's rule (the far row shifted in the
+    # standard attention that sets the scale)
+    q, k, v, dout = (torch.randn(2, 2, 64, 64, generator=torch.Generator().manual_seed(i), dtype=torch.float64)
+                     for i in range(4))
+    bias = torch.randn(2, 1, 64, 64, generator=torch.Generator().manual_seed(4))
+    bias[0, :, 9] = torch.finfo(torch.float32).min
+    bias[1, :, 11] -= 1e9
+    want = grads_of(lambda q, k, v: reference(q, k, v, bias=bias.double()), q, k, v, dout)
+    careful = bias.clone()
+    careful[1, :, 11] -= careful[1, :, 11].max()
+    low = [t.to(dtype) for t in (q, k, v, dout)]
+    std = grads_of(lambda q, k, v: attention_ref(q, k, v, careful), *low)
+    got = grads_of(lambda q, k, v: mt.flash_attention(q, k, v, attn_mask=bias.cuda(), on_math="allow"),
+                   *(t.cuda() for t in low))
+    for name, x, s_, w in zip(("out", "dq", "dk", "dv"), got, std, want, strict=True):
+        err, std_err = (x.double().cpu() - w).abs().max().item(), (s_.double() - w).abs().max().item()
+        assert err <= 2 * std_err + 1e-5, f"{name}: error {err:.3g} > 2 x standard attention's {std_err:.3g}"
+
+
+@needs_cuda
 @pytest.mark.parametrize("backend", [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH])
 @pytest.mark.parametrize("mask_kind", ["bool", "float"])
 def test_cuda_fully_masked_rows_with_each_kernel(backend, mask_kind):
@@ -1959,9 +1989,11 @@ def test_cuda_fully_masked_rows_with_each_kernel(backend, mask_kind):
     kw = {name: t.cuda() for name, t in kw.items()}
     leaves = [t.cuda().bfloat16().requires_grad_() for t in (q, k, v)]
     with sdpa_kernel(backend):
-        try:  # only whether this kernel takes these inputs here decides a skip; any error of the run fails
+        try:  # only whether this kernel takes these inputs here decides a skip; any other error fails
             mt.sdpa_kernel_name(*leaves, **kw)
         except RuntimeError as e:
+            if "no enabled SDPA kernel" not in str(e):
+                raise
             pytest.skip(f"{backend} does not take these inputs here: {str(e).splitlines()[0]}")
         out = mt.flash_attention(*leaves, on_math="allow", **kw)
     out.float().sum().backward()
@@ -1989,19 +2021,21 @@ def test_cuda_encoder_and_a_training_step_never_make_the_host_wait(amp, pack):
             if pack:
                 x, y, cu = mt.packed_reverse_batch(320, 3, 10, cfg.vocab_size, gen, torch.Generator().manual_seed(i))
                 mask = None
-            else:
+            else:  # a bool padding mask, and on odd steps the same as a Hugging Face float mask
                 x, y, lengths = mt.reverse_batch(32, 3, 10, cfg.vocab_size, gen)
                 mask, cu = mt.padding_mask(lengths, x.size(1)), None
+                if i % 2:
+                    mask = torch.zeros(mask.shape, device="cuda").masked_fill(~mask, torch.finfo(torch.float32).min)
             with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
                 logits = model(x, mask, cu)
                 loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1), ignore_index=mt.PAD,
                                        label_smoothing=cfg.label_smoothing)
             return mt.optimizer_step(loss, model, optimizer, scaler, cfg.clip)
-        step(0)  # warm-up: cuBLAS handles, the allocator's first blocks
+        step(0), step(1)  # warm-up: cuBLAS handles, the allocator's first blocks
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            step(1)
+            step(2), step(3)
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
