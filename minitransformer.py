@@ -15,7 +15,8 @@ ring_attention.py continues the chunked path across devices; study.py measures w
 Where each idea of a Transformer tutorial lives:
     scaled dot-product attention        standard_attention (core); naive_attention
     multi-head attention                MultiHeadAttention (d_model % n_heads checked, head size < 32 warned)
-    positional encodings                SinusoidalPositionalEncoding, LearnedPositionalEncoding, RotaryEmbedding
+    positional encodings                SinusoidalPositionalEncoding, LearnedPositionalEncoding, RotaryEmbedding;
+                                        relative: alibi_slopes (alibi_slopes= of every path)
     encoder layer: residuals, LayerNorm EncoderLayer (post-LN as in the paper, or pre-LN), Encoder
     O(n^2) memory of the scores         standard_attention, naive_attention; measured by study.py
     chunked computation                 blockwise_attention (core); chunked_attention
@@ -36,6 +37,7 @@ References:
    https://arxiv.org/abs/2002.04745
 5) Su et al. 2021, "RoFormer" (rotary positions): https://arxiv.org/abs/2104.09864
 6) Micikevicius et al. 2018, "Mixed Precision Training": https://arxiv.org/abs/1710.03740
+7) Press et al. 2022, "Train Short, Test Long" (ALiBi): https://arxiv.org/abs/2108.12409
 """
 
 import argparse
@@ -197,7 +199,7 @@ def _blocks(L, size):
 # - torch.compile(fullgraph=True), and no tensor value read on the host in forward or backward.
 
 IMPLS = ("naive", "chunked", "flash")
-POS_ENCODINGS = ("sinusoidal", "learned", "rope")
+POS_ENCODINGS = ("sinusoidal", "learned", "rope", "alibi")
 
 # Masks: which keys a query sees. One visibility rule (causality, window, documents, attn_mask)
 # serves every hardened path: naive and flash ask mask_block for the whole score matrix, chunked for
@@ -242,7 +244,7 @@ def documents(cu_seqlens, L, device=None):
 
 
 def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, doc_ids=None, offsets=None,
-               device=None):
+               alibi_slopes=None, device=None):
     """The mask of scores[..., rows, cols] (rows, cols: slices of query and key positions).
 
     Returns a bool mask (True = keep), a float mask (added to the scores), or None (keep
@@ -250,7 +252,8 @@ def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, doc_
     built from positions, and only for a block that straddles the diagonal, the window's edge
     or a document boundary. doc_ids: the (L,) document of every position (documents()); offsets:
     cu_seqlens as a list, where the host knows it, to tell the blocks inside one document, which
-    need no document mask.
+    need no document mask. alibi_slopes (B or 1, H, 1, 1): ALiBi's bias, -slope * |i - j|, is added,
+    in the slopes' dtype (its distances within a document are those inside it).
     """
     q0, q1, k0, k1 = rows.start, rows.stop, cols.start, cols.stop
     causal = is_causal and k1 - 1 > q0  # some key lies after some query
@@ -268,6 +271,10 @@ def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, doc_
         if local:  # compared, never subtracted: i - j would be an int64 (rows, cols) temporary
             near = (j >= i - window_size) & (j <= i + window_size)
             keep = near if keep is None else keep & near
+    if alibi_slopes is not None:  # the bias, with what keep and the attn_mask hide at -inf
+        i, j = (torch.arange(a, b, device=device, dtype=alibi_slopes.dtype) for a, b in ((q0, q1), (k0, k1)))
+        bias = alibi_slopes * -(j - i[:, None]).abs_()  # (B or 1, H, rows, cols)
+        keep = bias if keep is None else bias.masked_fill_(~keep, float("-inf"))
     if attn_mask is None:
         return keep
     m = attn_mask  # sliced only where it does not broadcast and the block is not all of it
@@ -277,6 +284,8 @@ def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, doc_
         m = m[..., cols]
     if keep is None:
         return m
+    if keep.is_floating_point():  # ALiBi's bias
+        return keep.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else keep + m  # may broadcast
     return m & keep if m.dtype == torch.bool else m.masked_fill(~keep, float("-inf"))
 
 
@@ -342,18 +351,19 @@ def _sdpa_conventions(q, k, v, scale):
 
 
 def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, window_size=None,
-                    cu_seqlens=None):
+                    cu_seqlens=None, alibi_slopes=None):
     """Attention(Q, K, V) = softmax(Q K^T * scale + M) V,  scale = 1/sqrt(D) by default.
 
     Returns out (B, H, Lq, Dv) and the weights (B, H, Lq, Lk) it used, after dropout, so
     that out == weights @ v. Standard attention as it is written: computed in the inputs'
-    dtype (softmax accumulates in float32 inside), a float mask added in float32 or wider.
+    dtype (softmax accumulates in float32 inside), a float mask (and ALiBi's, built whole) added in
+    float32 or wider.
     """
     q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
     Lq, Lk = q.size(-2), k.size(-2)
     doc_ids = None if cu_seqlens is None else documents(cu_seqlens, Lq, q.device)[0]
     mask = mask_block(attn_mask, slice(0, Lq), slice(0, Lk), is_causal=is_causal, window_size=window_size,
-                      doc_ids=doc_ids, device=q.device)
+                      doc_ids=doc_ids, alibi_slopes=_check_alibi(alibi_slopes, q), device=q.device)
     dead = None
     if mask is not None:
         mask, dead = _reopen_dead_rows(mask)
@@ -483,19 +493,19 @@ def default_chunk_size(device):
 
 
 def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
-                      window_size=None, cu_seqlens=None, chunk_size=None):
+                      window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None):
     """softmax(Q K^T * scale + M) V, the same result as naive_attention, in O(L) memory.
 
     chunk_size: int or (query block, key block); None: default_chunk_size. Blocks that
-    is_causal, window_size or the documents of cu_seqlens hide are skipped. Gradients flow to
-    q, k, v and to a float attn_mask that requires grad. Dropout's seed is drawn from the
-    device's generator.
+    is_causal, window_size or the documents of cu_seqlens hide are skipped; ALiBi's bias is made
+    block by block. Gradients flow to q, k, v and to a float attn_mask that requires grad.
+    Dropout's seed is drawn from the device's generator.
     """
     q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
     cq, ck = _chunks(default_chunk_size(q.device) if chunk_size is None else chunk_size)
     seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
-    out, _m, _log2_l = _chunked_fwd(q, k, v, attn_mask, seed, cu_seqlens, dropout_p, is_causal, scale,
-                                    window_size, cq, ck)  # m and log2(l): for the backward
+    out, _m, _log2_l = _chunked_fwd(q, k, v, attn_mask, seed, cu_seqlens, _check_alibi(alibi_slopes, q), dropout_p,
+                                    is_causal, scale, window_size, cq, ck)  # m and log2(l): for the backward
     return out
 
 
@@ -517,13 +527,18 @@ class BlockOptions:
     col_hash: Optional[torch.Tensor]  # and of the key columns j, (Lk,)
     doc_ids: Optional[torch.Tensor] = None  # packed rows: the document of every position, (L,) (documents())
     offsets: Optional[list] = None  # and their cu_seqlens, read on the host (a CPU tensor: no sync)
+    alibi_slopes: Optional[torch.Tensor] = None  # (B or 1, H, 1, 1); in base 2 unless the attn_mask is float
 
 
-def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens=None):
+def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens=None,
+                  alibi_slopes=None):
     hashes = _dropout_hashes(seed, *q.shape[:3], k.size(-2)) if dropout_p > 0.0 else (None, None)
     opts = BlockOptions(scale, is_causal, window_size, ck, attn_mask, dropout_p, *hashes)
     if cu_seqlens is not None:
         opts.doc_ids, opts.offsets = documents(cu_seqlens, q.size(-2), q.device)[0], cu_seqlens.tolist()
+    if alibi_slopes is not None:  # a float mask joins the bias before both go to base 2 (_scores); else at once
+        float_mask = attn_mask is not None and attn_mask.is_floating_point()
+        opts.alibi_slopes = alibi_slopes if float_mask else alibi_slopes * LOG2E
     return opts
 
 
@@ -546,57 +561,57 @@ _OPS = re.sub(r"\W", "_", __name__)
 @torch.library.custom_op(f"{_OPS}::chunked_attention_fwd", mutates_args=())
 @_autocast_off
 def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
-                 seed: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], dropout_p: float,
-                 is_causal: bool, scale: float, window_size: Optional[int], cq: int, ck: int
+                 seed: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                 dropout_p: float, is_causal: bool, scale: float, window_size: Optional[int], cq: int, ck: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """chunked_forward as an operator: out, m, log2(l)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # every block a view, never a copy
     return chunked_forward(q, k, v, block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale,
-                                                  window_size, ck, cu_seqlens), cq)
+                                                  window_size, ck, cu_seqlens, alibi_slopes), cq)
 
 
 @torch.library.custom_op(f"{_OPS}::chunked_attention_bwd", mutates_args=())
 @_autocast_off
 def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  m: torch.Tensor, log2_l: torch.Tensor, attn_mask: Optional[torch.Tensor],
-                 seed: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], dropout_p: float,
-                 is_causal: bool, scale: float, window_size: Optional[int], cq: int, ck: int, mask_grad: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 seed: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                 dropout_p: float, is_causal: bool, scale: float, window_size: Optional[int], cq: int, ck: int,
+                 mask_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """chunked_backward as an operator: dq, dk, dv, and a float attn_mask's gradient when mask_grad
     (else an empty tensor)."""
     grads = [torch.zeros_like(t, dtype=m.dtype) for t in (q, k, v)]  # laid out as q, k, v (register_fake)
     dmask = torch.zeros_like(attn_mask, dtype=m.dtype) if mask_grad else None
     dout, q, k, v = dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous()
-    opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens)
+    opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens, alibi_slopes)
     dq, dk, dv = chunked_backward(dout, q, k, v, out, m, log2_l, *grads, dmask, opts, cq)
     return dq, dk, dv, dmask.to(attn_mask.dtype) if mask_grad else q.new_empty(0)
 
 
 @_chunked_fwd.register_fake
-def _(q, k, v, attn_mask, seed, cu_seqlens, dropout_p, is_causal, scale, window_size, cq, ck):
+def _(q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p, is_causal, scale, window_size, cq, ck):
     stats = q.new_empty(*q.shape[:-1], 1, dtype=torch.promote_types(q.dtype, torch.float32))
     return q.new_empty(*q.shape[:-1], v.size(-1)), stats, torch.empty_like(stats)
 
 
 @_chunked_bwd.register_fake
-def _(dout, q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens, dropout_p, is_causal, scale, window_size,
-      cq, ck, mask_grad):
+def _(dout, q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p, is_causal, scale,
+      window_size, cq, ck, mask_grad):
     dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
 
 def _chunked_save(ctx, inputs, output):
-    q, k, v, attn_mask, seed, cu_seqlens, *options = inputs
-    ctx.save_for_backward(q, k, v, *output, attn_mask, seed, cu_seqlens)  # output: out, m, log2(l)
+    q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, *options = inputs
+    ctx.save_for_backward(q, k, v, *output, attn_mask, seed, cu_seqlens, alibi_slopes)  # output: out, m, log2(l)
     ctx.options = options  # dropout_p, is_causal, scale, window_size, cq, ck
 
 
 def _chunked_grad(ctx, dout, _dm, _dlog2_l):
-    q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens = ctx.saved_tensors
-    mask_grad = ctx.needs_input_grad[3]  # a float mask that requires grad: a learned bias (T5, ALiBi)
-    dq, dk, dv, dmask = _chunked_bwd(dout, q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens, *ctx.options,
-                                     mask_grad)
-    return dq, dk, dv, dmask if mask_grad else None, *[None] * 8
+    q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens, alibi_slopes = ctx.saved_tensors
+    mask_grad = ctx.needs_input_grad[3]  # a float mask that requires grad: a learned bias (T5)
+    dq, dk, dv, dmask = _chunked_bwd(dout, q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens, alibi_slopes,
+                                     *ctx.options, mask_grad)
+    return dq, dk, dv, dmask if mask_grad else None, *[None] * 9
 
 
 _chunked_fwd.register_autograd(_chunked_grad, setup_context=_chunked_save)
@@ -629,8 +644,8 @@ def _scores(q, k, rows, cols, opts):
     recomputes it. A float mask's block goes to base 2 here, in that dtype, clamped to its finite range."""
     s = _matmul(q[:, :, rows], k[:, :, cols].transpose(-2, -1), alpha=opts.scale * LOG2E)
     mask = mask_block(opts.mask, rows, cols, is_causal=opts.is_causal, window_size=opts.window_size,
-                      doc_ids=opts.doc_ids, offsets=opts.offsets, device=q.device)
-    if mask is not None and mask.is_floating_point():
+                      doc_ids=opts.doc_ids, offsets=opts.offsets, alibi_slopes=opts.alibi_slopes, device=q.device)
+    if opts.mask is not None and opts.mask.is_floating_point():
         mask = _finite_bias(mask, s.dtype, LOG2E)
     return _apply_mask(s, mask)
 
@@ -692,12 +707,13 @@ _KERNEL_NAMES = {int(backend): name for name, backend in _KERNELS.items()}
 
 
 def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
-                    window_size=None, cu_seqlens=None, on_math="warn"):
+                    window_size=None, cu_seqlens=None, alibi_slopes=None, on_math="warn"):
     """softmax(Q K^T * scale + M) V by F.scaled_dot_product_attention's fused kernels.
 
     When no fused kernel accepts the inputs (dropout on a CPU, say), on_math decides: "warn"
     and run the math kernel, "raise" a RuntimeError, or "allow". A mask, window or documents
-    reach SDPA as one (.., Lq, Lk) mask; pure is_causal as the kernel's flag. Under torch.compile, and
+    reach SDPA as one (.., Lq, Lk) mask (ALiBi's bias too, (B or 1, H, Lq, Lk)); pure is_causal as the
+    kernel's flag. Under torch.compile, and
     where torch cannot report its kernel (MPS, XPU), SDPA runs unchecked.
 
     Float masks: a CPU's fused kernel adds them in float32, so the precision rule holds for any bias.
@@ -712,7 +728,8 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     if on_math not in ("warn", "raise", "allow"):
         raise ValueError(f"on_math must be 'warn', 'raise' or 'allow', got {on_math!r}")
     q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
-    call = _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens)
+    call = _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens,
+                      alibi_slopes=_check_alibi(alibi_slopes, q))
     if call.kernel == "math" and on_math != "allow":
         why = (f"no fused SDPA kernel accepts these inputs (device={q.device.type}, dtype={q.dtype}, "
                f"dropout_p={dropout_p}, mask={None if call.mask is None else call.mask.dtype}, "
@@ -739,16 +756,16 @@ class _SdpaCall(NamedTuple):
 
 
 def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, device_type=None,
-               choose=None):
+               choose=None, alibi_slopes=None):
     """The call SDPA gets (_SdpaCall), and the kernel that runs on it ('unknown' under torch.compile, which
     picks its own). device_type and choose (the kernel SDPA would pick: _chosen_kernel's arguments) stand in
     for a device's own, so that a CPU test can plan what a CUDA kernel gets."""
     device_type, choose = device_type or q.device.type, choose or _chosen_kernel
     mask, dead = None, None
     doc_ids = None if cu_seqlens is None else documents(cu_seqlens, q.size(-2), q.device)[0]
-    if attn_mask is not None or window_size is not None or doc_ids is not None:  # pure causality: the flag
+    if any(x is not None for x in (attn_mask, window_size, doc_ids, alibi_slopes)):  # pure causality: the flag
         mask = mask_block(attn_mask, slice(0, q.size(-2)), slice(0, k.size(-2)), is_causal=is_causal,
-                          window_size=window_size, doc_ids=doc_ids, device=q.device)
+                          window_size=window_size, doc_ids=doc_ids, alibi_slopes=alibi_slopes, device=q.device)
         is_causal = False
     float_mask = mask is not None and mask.is_floating_point()
     if float_mask and mask.dtype not in (q.dtype, torch.float32):  # a dtype SDPA takes, the wider kept
@@ -760,7 +777,8 @@ def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_
     kernel = ask(q, k, v, mask)
     # far rows as SDPA's math computes them, before a 16-bit copy can round them: wherever a fused kernel may
     # read the mask, or off the CPU its copy in q's dtype (the math kernel computes them right itself)
-    if float_mask and (kernel != "math" or device_type != "cpu"):
+    user_float = attn_mask is not None and attn_mask.is_floating_point()  # ALiBi's bias alone is never far
+    if user_float and (kernel != "math" or device_type != "cpu"):
         mask, swamped = _far_rows(mask, can_look=device_type == "cpu" and not compiling)
         if swamped is not None:
             q, k, v = _switch_off_scores(q, k, v, swamped)
@@ -846,17 +864,18 @@ def _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale):
 
 
 def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
-                     window_size=None, cu_seqlens=None):
+                     window_size=None, cu_seqlens=None, alibi_slopes=None):
     """Which SDPA kernel flash_attention would run for these inputs (see _chosen_kernel)."""
     q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
-    return _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens).kernel
+    return _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens,
+                      alibi_slopes=_check_alibi(alibi_slopes, q)).kernel
 
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, impl="flash",
-              window_size=None, cu_seqlens=None, chunk_size=None):
-    """Attention through impl: one of IMPLS, or a function with SDPA's arguments, window_size= and cu_seqlens=
-    (ring_attention.ring_impl). q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv)."""
-    kw = dict(window_size=window_size, cu_seqlens=cu_seqlens)
+              window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None):
+    """Attention through impl: one of IMPLS, or a function with SDPA's arguments, window_size=, cu_seqlens= and
+    alibi_slopes= (ring_attention.ring_impl). q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv)."""
+    kw = dict(window_size=window_size, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes)
     if callable(impl):
         return impl(q, k, v, attn_mask, dropout_p, is_causal, scale, **kw)
     if impl == "naive":
@@ -879,11 +898,12 @@ class MultiHeadAttention(nn.Module):
     C -> 3C linear layer, its weight laid out as nn.MultiheadAttention's in_proj_weight.
     impl: one of IMPLS, or an attention function (see attention()). rope: an optional
     RotaryEmbedding applied to q and k of every head, at `positions` (default 0 .. T-1, restarting
-    in every document of cu_seqlens: the packed documents of every row, see documents()).
+    in every document of cu_seqlens: the packed documents of every row, see documents()). alibi: ALiBi's
+    bias in every head (alibi_slopes; a buffer, cast with the module).
     """
 
     def __init__(self, d_model, n_heads, dropout=0.0, bias=True, impl="flash", *, chunk_size=None,
-                 window_size=None, rope=None):
+                 window_size=None, rope=None, alibi=False):
         super().__init__()
         if d_model % n_heads != 0:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
@@ -894,6 +914,7 @@ class MultiHeadAttention(nn.Module):
                           "fine for small test models, weak for real ones", stacklevel=2)
         self.d_model, self.n_heads, self.dropout, self.impl = d_model, n_heads, dropout, impl
         self.chunk_size, self.window_size, self.rope = chunk_size, window_size, rope
+        self.register_buffer("alibi_slopes", alibi_slopes(n_heads) if alibi else None, persistent=False)
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
 
@@ -914,15 +935,15 @@ class MultiHeadAttention(nn.Module):
                 positions = documents(cu_seqlens, T, x.device)[1]
             q, k = self.rope(q, positions), self.rope(k, positions)
         p = self.dropout if self.training else 0.0
+        kw = dict(window_size=self.window_size, cu_seqlens=cu_seqlens,
+                  alibi_slopes=None if self.alibi_slopes is None else self.alibi_slopes.float())
         if need_weights:  # only the naive path materialises the weights
             if callable(self.impl):
                 raise ValueError("need_weights computes the weights by naive attention on this module's own "
                                  "q, k, v: not with an attention function as impl (a ring sees a shard only)")
-            y, weights = naive_attention(q, k, v, attn_mask, p, is_causal, window_size=self.window_size,
-                                         cu_seqlens=cu_seqlens)
+            y, weights = naive_attention(q, k, v, attn_mask, p, is_causal, **kw)
         else:
-            y = attention(q, k, v, attn_mask, p, is_causal, impl=self.impl, window_size=self.window_size,
-                          cu_seqlens=cu_seqlens, chunk_size=self.chunk_size)
+            y = attention(q, k, v, attn_mask, p, is_causal, impl=self.impl, chunk_size=self.chunk_size, **kw)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
         y = self.proj(y)
         return (y, weights) if need_weights else y  # weights: (B, nh, T, T)
@@ -1012,6 +1033,15 @@ class RotaryEmbedding(nn.Module):
         return x * self.cos[pos].to(x.dtype) + rotated * self.sin[pos].to(x.dtype)
 
 
+def alibi_slopes(n_heads):
+    """ALiBi's slopes m_h (Press et al. 2022), (n_heads,) float32: head h adds -m_h * |i - j| to score (i, j),
+    a penalty on distance instead of positions added to x. For n heads a power of 2, m_h = 2^(-8h/n),
+    h = 1 .. n; otherwise those of the largest power of 2 below n, then every other one of twice as many."""
+    geometric = lambda n: [2 ** (-8 * h / n) for h in range(1, n + 1)]  # noqa: E731
+    m = 2 ** int(math.log2(n_heads))
+    return torch.tensor(geometric(m) + geometric(2 * m)[0::2][:n_heads - m], dtype=torch.float32)
+
+
 # -----------------------------------------------------------------------------
 # Encoder layer
 
@@ -1027,12 +1057,12 @@ class EncoderLayer(nn.Module):
     """
 
     def __init__(self, d_model, n_heads, d_ff, dropout=0.1, norm_first=False, activation="relu", impl="flash",
-                 layer_norm_eps=1e-5, *, bias=True, chunk_size=None, window_size=None, rope=None):
+                 layer_norm_eps=1e-5, *, bias=True, chunk_size=None, window_size=None, rope=None, alibi=False):
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be one of {tuple(_ACTIVATIONS)}, got {activation!r}")
         self.self_attn = MultiHeadAttention(d_model, n_heads, dropout, bias, impl, chunk_size=chunk_size,
-                                            window_size=window_size, rope=rope)
+                                            window_size=window_size, rope=rope, alibi=alibi)
         self.linear1 = nn.Linear(d_model, d_ff, bias=bias)
         self.linear2 = nn.Linear(d_ff, d_model, bias=bias)
         self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
@@ -1096,7 +1126,7 @@ class EncoderConfig:
     norm_first: bool = True  # pre-LN (stable without warm-up tricks); False = post-LN as in the paper
     activation: str = "relu"  # "relu" or "gelu"
     impl: str = "flash"  # attention path: "naive", "chunked" or "flash"
-    pos_encoding: str = "sinusoidal"  # "sinusoidal", "learned" or "rope"
+    pos_encoding: str = "sinusoidal"  # "sinusoidal", "learned", "rope" or "alibi"
     chunk_size: int | None = None  # block size of the chunked path; None = default_chunk_size(device)
     window_size: int | None = None  # local attention: keys within this distance; None = global
     layer_norm_eps: float = 1e-5  # epsilon of every LayerNorm
@@ -1122,16 +1152,17 @@ class Encoder(nn.Module):
         super().__init__()
         self.config = c = config
         self.embed = nn.Embedding(c.vocab_size, c.d_model)
-        rope = None
-        if c.pos_encoding == "rope":  # rope acts in the attention: only dropout here
-            rope, self.pos = RotaryEmbedding(c.d_model // c.n_heads, c.max_len), nn.Dropout(c.dropout)
+        rope = RotaryEmbedding(c.d_model // c.n_heads, c.max_len) if c.pos_encoding == "rope" else None
+        if c.pos_encoding in ("rope", "alibi"):  # they act in the attention: only dropout here
+            self.pos = nn.Dropout(c.dropout)
         else:
             learned = c.pos_encoding == "learned"
             pos = LearnedPositionalEncoding if learned else SinusoidalPositionalEncoding
             self.pos = pos(c.d_model, c.max_len, c.dropout)
         self.layers = nn.ModuleList(
             EncoderLayer(c.d_model, c.n_heads, c.d_ff, c.dropout, c.norm_first, c.activation, c.impl,
-                         c.layer_norm_eps, chunk_size=c.chunk_size, window_size=c.window_size, rope=rope)
+                         c.layer_norm_eps, chunk_size=c.chunk_size, window_size=c.window_size, rope=rope,
+                         alibi=c.pos_encoding == "alibi")
             for _ in range(c.n_layers))
         self.norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps) if c.norm_first else nn.Identity()
         self.apply(self._init_weights)
@@ -1157,13 +1188,17 @@ class Encoder(nn.Module):
             raise ValueError(f"idx must be integer token ids (B, T), got {tuple(idx.shape)} {idx.dtype}")
         _check_range(idx, 0, self.config.vocab_size, "token ids")
         x = self.embed(idx) * math.sqrt(self.config.d_model)
-        return self.pos(x) if self.config.pos_encoding == "rope" else self.pos(x, positions)
+        return self.pos(x) if self.config.pos_encoding in ("rope", "alibi") else self.pos(x, positions)
 
     def forward(self, idx, attn_mask=None, is_causal=False, positions=None, cu_seqlens=None):
         """positions: the (T,) positions of idx's tokens (default 0 .. T-1), as for a shard of a longer
         sequence (ring_attention.ShardedEncoder). cu_seqlens: every row packs these documents (see
         documents()); each is encoded as if alone, its positions restarting at 0."""
-        if cu_seqlens is not None and positions is None:
+        if self.config.pos_encoding == "alibi":  # its bias comes from the tokens' places in the row or document
+            if positions is not None:
+                raise ValueError("pos_encoding='alibi' takes no positions: its bias is -slope * |i - j| for the "
+                                 "tokens' places i, j in the row (or in one document of cu_seqlens)")
+        elif cu_seqlens is not None and positions is None:
             positions = documents(cu_seqlens, idx.size(-1), idx.device)[1]
         if positions is not None:  # named here: past the tables' end it would be a bare IndexError
             _check_positions(positions, idx.size(-1))
@@ -1694,6 +1729,21 @@ def _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlen
         _check_cu_seqlens(cu_seqlens, q.size(-2))
     q, k, v, scale = _sdpa_conventions(q, k, v, scale)
     return q, k, v, _check_mask(attn_mask, q, k), scale
+
+
+def _check_alibi(slopes, q):
+    """ALiBi's slopes as FlashAttention takes them (float32, (H,) or (B, H), non-negative constants), made
+    (B or 1, H, 1, 1) in q's accumulation dtype; or a clear error."""
+    if slopes is None:
+        return None
+    B, H = q.shape[:2]
+    if not torch.is_tensor(slopes) or slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be a float32 tensor, got {getattr(slopes, 'dtype', type(slopes))}")
+    if tuple(slopes.shape) not in ((H,), (B, H)) or slopes.device != q.device or slopes.requires_grad:
+        raise ValueError(f"alibi_slopes must be constants of shape ({H},) or ({B}, {H}) on {q.device}, got shape "
+                         f"{tuple(slopes.shape)} on {slopes.device}{' that requires grad' * slopes.requires_grad}")
+    _check_range(slopes, 0, math.inf, "alibi_slopes")
+    return slopes.to(torch.promote_types(q.dtype, torch.float32)).reshape(-1, H, 1, 1)
 
 
 def _check_mask(attn_mask, q, k):

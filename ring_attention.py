@@ -193,16 +193,17 @@ def _ring_backward(dout, q, k, v, out, m, log2_l, is_causal, scale, group, layou
 
 def ring_impl(group=None, layout="contiguous", chunk_size=None):
     """ring_attention as a MultiHeadAttention impl (minitransformer.attention's impl=): it refuses
-    what the ring does not do, a mask, dropout, a window and packed documents, with a clear error."""
+    what the ring does not do, a mask, dropout, a window, packed documents and ALiBi, with a clear error."""
     return functools.partial(_ring_impl, group=group, layout=layout, chunk_size=chunk_size)
 
 
-def _ring_impl(q, k, v, attn_mask, dropout_p, is_causal, scale, *, window_size, cu_seqlens=None, group, layout,
-               chunk_size):
-    if attn_mask is not None or dropout_p > 0.0 or window_size is not None or cu_seqlens is not None:
-        raise ValueError(f"ring attention takes no attn_mask, no dropout, no window_size and no cu_seqlens, got "
-                         f"attn_mask={None if attn_mask is None else tuple(attn_mask.shape)}, dropout_p={dropout_p}, "
-                         f"window_size={window_size}, cu_seqlens={cu_seqlens}")
+def _ring_impl(q, k, v, attn_mask, dropout_p, is_causal, scale, *, window_size, cu_seqlens=None, alibi_slopes=None,
+               group, layout, chunk_size):
+    if any(x is not None for x in (attn_mask, window_size, cu_seqlens, alibi_slopes)) or dropout_p > 0.0:
+        raise ValueError(f"ring attention takes no attn_mask, no dropout, no window_size, no cu_seqlens and no "
+                         f"alibi_slopes, got attn_mask={None if attn_mask is None else tuple(attn_mask.shape)}, "
+                         f"dropout_p={dropout_p}, window_size={window_size}, cu_seqlens={cu_seqlens}, alibi_slopes="
+                         f"{None if alibi_slopes is None else tuple(alibi_slopes.shape)}")
     return ring_attention(q, k, v, is_causal=is_causal, scale=scale, group=group, layout=layout,
                           chunk_size=chunk_size)
 
@@ -212,8 +213,8 @@ class ShardedEncoder(nn.Module):
 
     forward(idx, is_causal): idx (B, T/P), this rank's shard of token ids (shard_sequence, dim=1,
     in `layout`) -> this rank's shard of the hidden states, (B, T/P, d_model). Positions are the
-    tokens' places in the whole sequence. The encoder's config needs dropout=0.0 and
-    window_size=None. Its weights are the encoder's own, and its layers attend through the ring
+    tokens' places in the whole sequence. The encoder's config needs dropout=0.0, window_size=None
+    and a pos_encoding other than ALiBi. Its weights are the encoder's own, and its layers attend through the ring
     only inside this forward: the encoder itself still runs unsharded. So nothing may recompute a
     layer outside it (reentrant torch.utils.checkpoint would recompute it without the ring).
     chunk_size: the ring's blocks (ring_attention).
@@ -222,9 +223,10 @@ class ShardedEncoder(nn.Module):
     def __init__(self, encoder, group=None, layout="contiguous", chunk_size=None):
         super().__init__()
         c = encoder.config
-        if c.dropout or c.window_size is not None:
-            raise ValueError(f"the ring has no dropout and no window: build the encoder with dropout=0.0 and "
-                             f"window_size=None, got dropout={c.dropout}, window_size={c.window_size}")
+        if c.dropout or c.window_size is not None or c.pos_encoding == "alibi":
+            raise ValueError(f"the ring has no dropout, no window and no ALiBi: build the encoder with dropout=0.0, "
+                             f"window_size=None and another pos_encoding, got dropout={c.dropout}, window_size="
+                             f"{c.window_size}, pos_encoding={c.pos_encoding!r}")
         if layout not in RING_LAYOUTS:
             raise ValueError(f"layout must be one of {RING_LAYOUTS}, got {layout!r}")
         self.encoder, self.group, self.layout, self.chunk_size = encoder, group, layout, chunk_size

@@ -54,7 +54,7 @@ except ImportError:
 # kernel enforces (RLIMIT_AS). Elsewhere rss_mib stays empty and the memory wall is predicted.
 LINUX_MEMORY = sys.platform.startswith("linux") and os.path.exists("/proc/self/clear_refs") and resource is not None
 
-COLUMNS = ["device", "torch", "dtype", "series", "path", "kernel", "mode", "causal", "window", "docs", "B", "H",
+COLUMNS = ["device", "torch", "dtype", "series", "path", "kernel", "mode", "causal", "window", "docs", "alibi", "B", "H",
            "D", "n", "world", "ms", "ms_min", "ms_max", "comm_ms", "peak_mib", "predicted_mib", "rss_mib", "tflops",
            "pct_matmul", "pairs", "matmul_tflops", "mem_budget_gib", "status", "noise"]
 MODES = ("fwd", "fwd+bwd")
@@ -113,7 +113,8 @@ def computed_pairs(point):
         offsets = packed_offsets(n, p["docs"])
         return sum((rows.stop - rows.start) * (cols.stop - cols.start) for rows in mt._blocks(n, cq)
                    for cols in mt._key_blocks(rows, n, ck, p["causal"], p["window"], offsets))
-    dense = p["path"] == "naive" or (p["path"] not in ("chunked", "ring") and (p["window"] or p.get("docs")))
+    dense = p["path"] == "naive" or (p["path"] not in ("chunked", "ring") and (p["window"] or p.get("docs")
+                                                                               or str(p.get("alibi")) == "True"))
     return attention_pairs(n, p["causal"] and not dense, None if dense else p["window"])
 
 
@@ -160,7 +161,7 @@ def naive_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, masked):
 _ARGS_HANDED_OVER = sys.version_info >= (3, 11)
 
 
-def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies):
+def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies, alibi=0):
     """The blocks of one block of query rows at its heaviest moment (attend_block, attend_block_backward).
 
     (cq, ck) blocks of scores in float32: S_j and P_j, and in the backward dP_j; a block lives until its
@@ -169,6 +170,8 @@ def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies):
     blocks rounded to their dtype (P_j and dS_j, for the products), which a CPU multiplies as float32
     copies (`copies`: _matmul), beside float32 copies of the operands (rows of q or dout, key blocks of
     k or v) and the products. Each phase: (float32 blocks, 16-bit blocks, bytes of copies and products).
+    alibi: the heads of ALiBi's slopes, whose bias block (alibi, cq, ck) and distances (cq, ck) are made
+    beside S_j, after the copies its product took.
     """
     acc = max(itemsize, 4)
     block, low = B * H * cq * ck * acc, B * H * cq * ck * itemsize * (itemsize < 4)
@@ -187,28 +190,31 @@ def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies):
         phases = [(4, 1, 0), (3, 2, cols * Dv)]
     else:
         phases = [(2, 1, max(cols * Dv, rows * D, cols * D))]  # a product beside P_j and dP_j
+    if alibi:  # S_j beside P_{j-1} (and dP_{j-1}, backward)
+        phases.append((1 + several * (1 if mode == "fwd" else 2), several * (mode != "fwd"), (alibi + 1) * cq * ck * acc))
     blocks, lows, extra = max(phases, key=lambda ph: ph[0] * block + ph[1] * low + ph[2])
     terms = {f"{blocks} blocks of scores (B, H, cq, ck) float32": blocks * block,
-             "products (and float32 copies of 16-bit operands)": extra}
+             "products (and float32 copies of 16-bit operands), ALiBi's block": extra}
     if low:
         terms[f"{lows} blocks in the inputs' dtype"] = lows * low
     return terms
 
 
-def chunked_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, cq, ck, docs=False, copies=False):
+def chunked_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, cq, ck, docs=False, copies=False, alibi=0):
     """chunked_attention: linear in the lengths, plus a few (cq, ck) blocks (_block_memory).
 
     fwd: out, per query m and log2(l), and the running output o of one block of query rows. fwd+bwd:
     out, dQ, dK, dV accumulated in float32, m and log2(l) with the zero gradients autograd gives them;
     16-bit inputs end with dQ, dK, dV in float32 and rounded to their dtype at once. Documents add
-    their ids and positions (documents()). copies: 16-bit products through float32 copies (CPU).
+    their ids and positions (documents()). copies: 16-bit products through float32 copies (CPU). alibi:
+    ALiBi's heads, its bias made block by block (_block_memory).
     """
     acc, cq, ck = max(itemsize, 4), min(cq, Lq), min(ck, Lk)
     stats = B * H * Lq * acc
     terms = {"out (B, H, Lq, Dv)": B * H * Lq * Dv * itemsize}
     if docs:
         terms["document ids and positions (2, L) int64"] = 2 * Lq * 8
-    blocks = _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, Lk > ck, copies)
+    blocks = _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, Lk > ck, copies, alibi)
     if mode == "fwd":
         return {**terms, "m, log2(l) (B, H, Lq)": 2 * stats, "o (B, H, cq, Dv) float32": B * H * cq * Dv * acc,
                 **blocks}
@@ -222,7 +228,7 @@ def _r(x, multiple):
     return -(-x // multiple) * multiple
 
 
-def flash_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, kernel, masked, threads=1):
+def flash_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, kernel, masked, threads=1, alibi=0):
     """SDPA's fused kernels (kernel: "cpu", or on CUDA "flash", "efficient", "cudnn"), from what their
     source allocates (PyTorch's aten/src/ATen/native/, transformers/ and cpu/):
 
@@ -240,10 +246,15 @@ def flash_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, kernel, masked, threads=1)
       copies dout and holds delta (B, H, Lq) and a float32 workspace for dQ, about (B, H, Lq, D) rounded
       to its blocks. cuDNN (cudnn/MHA.cpp): softmax statistics (B, H, Lq) float32 (training only), and a
       workspace of cuDNN's own choice that is not modelled.
+    - alibi (the heads of ALiBi's slopes): SDPA gets our float32 bias (alibi, Lq, Lk) instead of a mask it
+      converts; the forward builds it beside the (Lq, Lk) distances (and a bool mask, masked). On CUDA the
+      bias is also copied in the inputs' dtype, which is not modelled.
     """
     out, lse, low = B * H * Lq * Dv * itemsize, B * H * Lq * 4, itemsize < 4
     grads = {"dQ, dK, dV": B * H * (Lq * D + Lk * D + Lk * Dv) * itemsize, "dout in the kernel's layout": out}
     mask = {"mask as a bias (Lq, Lk)": Lq * Lk * itemsize} if masked else {}
+    if alibi:
+        mask = {"ALiBi's bias (alibi, Lq, Lk) float32": alibi * Lq * Lk * max(itemsize, 4)}
     if kernel == "cpu":
         qs, ks = min(Lq, 32 if Lq < 192 else 64 if Lq < 768 else 256), min(Lk, 512)
         per_thread = (qs * ks + 2 * qs + qs * Dv) * 4 + low * qs * ks * itemsize
@@ -263,8 +274,10 @@ def flash_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, kernel, masked, threads=1)
         elif kernel == "efficient":
             block = 64 if D <= 64 else 128
             bwd["delta, dQ workspace float32"] = B * H * (Lq + _r(Lq, block) * _r(D, block)) * 4
-    if masked:
+    if masked and not alibi:
         fwd["mask (Lq, Lk) bool"] = Lq * Lk
+    if alibi:  # the bias being built, beside its distances
+        fwd = _heaviest(fwd, {**mask, "distances (Lq, Lk) and a bool mask": Lq * Lk * (max(itemsize, 4) + masked)})
     return fwd if mode == "fwd" else _heaviest(fwd, bwd)
 
 
@@ -293,11 +306,11 @@ def ring_memory(B, H, n, D, Dv, itemsize, mode, P, cq, ck, copies=False):
 
 
 def _masked(point):
-    """Whether a point's mask reaches the paths as an (n, n) tensor: documents, causality for naive, or a
-    window, which builds its mask (with causality in it) unless it hides nothing (mask_block)."""
+    """Whether a point's mask reaches the paths as an (n, n) tensor: documents, causality for naive (and beside
+    ALiBi's bias), or a window, which builds its mask (with causality in it) unless it hides nothing (mask_block)."""
     p = point
     window = p["window"] is not None and (p["window"] < p["n"] - 1 or p["causal"])
-    return bool(p.get("docs") or window or (p["causal"] and p["path"] == "naive"))
+    return bool(p.get("docs") or window or (p["causal"] and (p["path"] == "naive" or str(p.get("alibi")) == "True")))
 
 
 def sdpa_kernel(point):
@@ -325,16 +338,18 @@ def predicted_terms(point, threads=None):
     not split it, up to 1 MiB more per block, which is not predicted."""
     p, cpu = point, point["device"].startswith("cpu")
     B, H, n, D, mode = p["B"], p["H"], p["n"], p["D"], p["mode"]
+    alibi = H if str(p.get("alibi")) == "True" else 0  # its slopes: one per head
     itemsize = getattr(torch, p["dtype"]).itemsize
     copies = itemsize < 4 and (cpu or not mt._BMM_OUT_DTYPE)  # 16-bit products through float32 copies
     if p["path"] == "naive":
         terms = naive_memory(B, H, n, n, D, D, itemsize, mode, _masked(p))
     elif p["path"] == "chunked":
-        terms = chunked_memory(B, H, n, n, D, D, itemsize, mode, *chunk_sizes(p), bool(p.get("docs")), copies)
+        terms = chunked_memory(B, H, n, n, D, D, itemsize, mode, *chunk_sizes(p), bool(p.get("docs")), copies, alibi)
     elif p["path"] == "ring":  # its blocks are always the device's default
         terms = ring_memory(B, H, n, D, D, itemsize, mode, p["world"], *chunk_sizes({**p, "chunk_size": None}), copies)
     elif kernel := sdpa_kernel(p):
-        terms = flash_memory(B, H, n, n, D, D, itemsize, mode, kernel, _masked(p), threads or torch.get_num_threads())
+        terms = flash_memory(B, H, n, n, D, D, itemsize, mode, kernel, _masked(p), threads or torch.get_num_threads(),
+                             alibi)
     else:
         return None
     return terms if cpu else {name: _r(size, 512) for name, size in terms.items()}
@@ -552,7 +567,8 @@ def _sync(device):
 def _attention_call(spec, q, k, v):
     """The call measured for one series: returns (fn, kernel label)."""
     cu_seqlens = torch.tensor(packed_offsets(spec["n"], spec["docs"])) if spec.get("docs") else None
-    kw = dict(is_causal=spec["causal"], window_size=spec["window"], cu_seqlens=cu_seqlens)
+    kw = dict(is_causal=spec["causal"], window_size=spec["window"], cu_seqlens=cu_seqlens,
+              alibi_slopes=mt.alibi_slopes(spec["H"]).to(q.device) if spec.get("alibi") else None)
     path = spec["path"]
     if path in SDPA_SERIES:  # one fused kernel forced, if this GPU and these inputs allow it
         backend = mt._KERNELS[SDPA_SERIES[path]]
@@ -888,6 +904,7 @@ class Series:
     chunk_size: int | tuple | None = None  # blocks of a chunked series (None: --chunk-size or the default)
     world: int = 1  # processes: a ring series cuts the sequence across `world` of them
     docs: int | None = None  # packed: documents of random lengths side by side (packed_offsets)
+    alibi: bool = False  # ALiBi's bias, alibi_slopes of the H heads
     default: bool = True  # in the sweep when --series names none
 
 
@@ -916,6 +933,7 @@ def default_series(device, causal, window, caps=None, gpus=None):
         series.append(Series(f"flash-window{window}", "flash", causal, window))  # the window as an (n, n) mask
     for docs in (8, 32):  # packed documents; chunked computes about the sum of their squared lengths
         series += [Series(f"{path}-packed{docs}", path, causal, docs=docs, default=False) for path in mt.IMPLS]
+    series += [Series(f"{path}-alibi", path, causal, alibi=True, default=False) for path in ("chunked", "flash")]
     gpus = torch.cuda.device_count() if gpus is None else gpus
     series += [Series(f"ring{P}", "ring", causal, world=P, default=False) for P in (2, 4)
                if device.type == "cpu" or gpus >= P]
@@ -1343,6 +1361,14 @@ def report(rows):
                               f"{float(r['peak_mib']):.1f}", _ratio(r, one, "ms"), _ratio(r, one, "peak_mib")])
         lines += _table(["series", "mode", "n", "visible pairs", "computed pairs", "ms", "peak MiB",
                          "time / one document", "memory / one document"], table)
+    alibis = [key for key, rs in curves.items() if str(rs[0].get("alibi")) == "True"]
+    if alibis:
+        lines += ["", "## ALiBi", "", "ALiBi's bias, -slope * |i - j| in every head (alibi_slopes): chunked makes it block by "
+                  "block, flash hands SDPA the whole (H, n, n) bias in float32. Beside the same path without it:", ""]
+        lines += _table(["series", "mode", "n", "ms", "peak MiB", "time / without", "memory / without"], [
+            [s, mode, r["n"], f"{float(r['ms']):.1f}", f"{float(r['peak_mib']):.1f}", _ratio(r, w, "ms"),
+             _ratio(r, w, "peak_mib")] for s, mode in alibis for r in curves[(s, mode)]
+            for w in [_at(curves, r["path"], mode, int(r["n"]))]])
     return "\n".join(lines + model_report(rows, curves) + ["", "## Claims checked", ""] + claims(curves, fits))
 
 
@@ -1538,7 +1564,7 @@ def out_dir(args, p, device):
 def points(args, device_label, dtype, lengths, series, batch, modes, **extra):
     """One dict per (n, series, mode) to measure or predict, n outermost: paths side by side."""
     return [{"device": device_label, "torch": torch.__version__, "dtype": dtype, "series": s.name, "path": s.path,
-             "mode": mode, "causal": s.causal, "window": s.window, "docs": s.docs, "H": args.heads,
+             "mode": mode, "causal": s.causal, "window": s.window, "docs": s.docs, "alibi": s.alibi, "H": args.heads,
              "D": args.head_dim, "n": n, "B": max(1, args.tokens // n) if args.tokens else batch, "world": s.world,
              "chunk_size": s.chunk_size or args.chunk_size, **extra}
             for n in lengths for s in series for mode in modes if s.max_n is None or n <= s.max_n]

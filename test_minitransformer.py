@@ -932,8 +932,8 @@ def test_chunked_products_take_their_operands_in_the_input_dtype(dtype):
     options = (0.2, True, 0.37, 20, 16, 8)  # dropout_p, is_causal, scale, window_size, cq, ck
     seed = torch.tensor(7, dtype=torch.int32)
     with Products() as mode:  # the ops' own Python bodies, so that the mode sees inside them
-        out, row_max, log2_sum = mt._chunked_fwd._init_fn(q, k, v, bias, seed, None, *options)
-        mt._chunked_bwd._init_fn(dout, q, k, v, out, row_max, log2_sum, bias, seed, None, *options, True)
+        out, row_max, log2_sum = mt._chunked_fwd._init_fn(q, k, v, bias, seed, None, None, *options)
+        mt._chunked_bwd._init_fn(dout, q, k, v, out, row_max, log2_sum, bias, seed, None, None, *options, True)
     # by hand: query blocks [0, 16), [16, 32), [32, 37), causal with a window of 20, key blocks of 8 from the
     # first visible key: keys [0, 16) in 2 blocks, [0, 29) in 4, [12, 29) in 3 ([12, 20), [20, 28), [28, 29))
     blocks = 2 + 4 + 3
@@ -964,8 +964,8 @@ def test_cuda_chunked_products_run_on_tensor_cores(dtype):
     q, k, v, dout = (torch.randn(2, 3, 300, 64, device="cuda", dtype=dtype) for _ in range(4))
     options = (0.0, True, 0.125, None, 128, 128)
     with Products() as mode:
-        out, row_max, log2_sum = mt._chunked_fwd._init_fn(q, k, v, None, None, None, *options)
-        mt._chunked_bwd._init_fn(dout, q, k, v, out, row_max, log2_sum, None, None, None, *options, False)
+        out, row_max, log2_sum = mt._chunked_fwd._init_fn(q, k, v, None, None, None, None, *options)
+        mt._chunked_bwd._init_fn(dout, q, k, v, out, row_max, log2_sum, None, None, None, None, *options, False)
     blocks = 1 + 2 + 3  # by hand: causal query blocks [0, 128), [128, 256), [256, 300) see 1, 2 and 3 key blocks
     assert len(mode.seen) == 7 * blocks
     assert all(name == "aten.bmm.dtype" and dtypes == [dtype, dtype] for name, dtypes in mode.seen), mode.seen
@@ -1144,6 +1144,153 @@ def test_packed_documents_meet_the_precision_rule(dtype, causal):
         for name, x, s_, r in zip(("out", "dq", "dk", "dv"), ours, std, ref):
             err, std_err = (x.double() - r).abs().max().item(), (s_.double() - r).abs().max().item()
             assert x.dtype == dtype and err <= 2 * std_err + 1e-5, f"{impl} {name}: {err:.3g} > 2 x {std_err:.3g}"
+
+
+# ----------------------------------------------------------------------------- ALiBi (alibi_slopes=)
+# Oracles: the paper's slopes by its authors' own recursion, written out here; SDPA's math kernel in float64 with
+# the dense bias -slope * |i - j| that the test builds; FlashAttention's rule; each document attended alone.
+
+
+def paper_slopes(n):
+    """ALiBi's slopes as its reference code computes them (get_slopes, Press et al.)."""
+    if math.log2(n).is_integer():
+        start = 2 ** (-2 ** -(math.log2(n) - 3))
+        return [start * start**i for i in range(n)]
+    closest = 2 ** math.floor(math.log2(n))
+    return paper_slopes(closest) + paper_slopes(2 * closest)[0::2][:n - closest]
+
+
+def test_alibi_slopes_are_the_papers():
+    for n in list(range(1, 17)) + [24, 48]:
+        torch.testing.assert_close(mt.alibi_slopes(n), torch.tensor(paper_slopes(n)), atol=0, rtol=1e-6)
+
+
+def alibi_bias(slopes, Lq, Lk, B, H):
+    """The dense (B, H, Lq, Lk) float64 bias -slope * |i - j|, by the test's own loop over heads."""
+    i, j = torch.arange(Lq, dtype=torch.float64)[:, None], torch.arange(Lk, dtype=torch.float64)[None, :]
+    slopes = slopes.double().expand(B, H)
+    return torch.stack([torch.stack([-slopes[b, h] * (i - j).abs() for h in range(H)]) for b in range(B)])
+
+
+ALIBI_CASES = ["none", "causal", "window", "padding", "float", "documents", "causal+documents"]
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("case", ALIBI_CASES)
+@pytest.mark.parametrize("Lq,Lk,per_batch", [(37, 37, False), (37, 29, True), (29, 37, False)])
+def test_alibi_matches_sdpa_float64(impl, case, Lq, Lk, per_batch):
+    # ALiBi with every visibility rule, Lq != Lk, slopes (H,) and (B, H): output and q, k, v gradients, 1e-10
+    if "documents" in case and Lq != Lk:
+        pytest.skip("documents pack self-attention")
+    B, H = 2, 3
+    q, k, v = make_qkv(B, H, Lq, Lk, 8, Dv=4)
+    slopes = (torch.rand(B, H, generator=torch.Generator().manual_seed(1)) if per_batch else mt.alibi_slopes(H))
+    i, j = torch.arange(Lq)[:, None], torch.arange(Lk)[None, :]
+    keep, kw = torch.ones(Lq, Lk, dtype=torch.bool), {"alibi_slopes": slopes}
+    if "causal" in case:
+        keep, kw["is_causal"] = keep & (j <= i), True
+    if case == "window":
+        keep, kw["window_size"] = keep & ((i - j).abs() <= 5), 5
+    if case == "padding":
+        kw["attn_mask"] = mt.padding_mask(torch.tensor([Lk, Lk // 3]), Lk)
+        keep = keep & kw["attn_mask"]
+    if "documents" in case:
+        cu = [0, 10, 10, 30, Lq]
+        keep, kw["cu_seqlens"] = keep & block_diagonal(cu), torch.tensor(cu)
+    bias = alibi_bias(slopes, Lq, Lk, B, H)
+    if case == "float":
+        kw["attn_mask"] = torch.randn(Lq, Lk, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        bias = bias + kw["attn_mask"]
+    dout = torch.randn(B, H, Lq, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    want = grads_of(lambda q, k, v: reference(q, k, v, keep, bias.masked_fill(~keep, -math.inf)), q, k, v, dout)
+    got = grads_of(lambda q, k, v: run_path(impl, q, k, v, chunk_size=(8, 16), **kw), q, k, v, dout)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_alibi_meets_the_precision_rule(dtype, causal):
+    # FlashAttention's rule with ALiBi's bias (8 heads, n = 512: biases down to -slope * 511): against float64, every
+    # path's output and gradients at most 2x the error of standard attention in dtype with the float32 bias, + 1e-5
+    g = torch.Generator().manual_seed(0)
+    n, H = 512, 8
+    q, k = (torch.randn(1, H, n, 64, generator=g, dtype=torch.float64) * 3 ** 0.5 for _ in range(2))
+    v, dout = (torch.randn(1, H, n, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    keep = torch.ones(n, n, dtype=torch.bool).tril() if causal else torch.ones(n, n, dtype=torch.bool)
+    bias = alibi_bias(mt.alibi_slopes(H), n, n, 1, H).masked_fill(~keep, -math.inf)
+    ref = grads_of(lambda q, k, v: reference(q, k, v, bias=bias), q, k, v, dout)
+    low = [t.to(dtype) for t in (q, k, v, dout)]
+    std = grads_of(lambda q, k, v: attention_ref(q, k, v, bias.float()), *low)
+    for impl in ("chunked", "flash"):
+        ours = grads_of(lambda q, k, v: run_path(impl, q, k, v, is_causal=causal, alibi_slopes=mt.alibi_slopes(H)), *low)
+        for name, x, s_, r in zip(("out", "dq", "dk", "dv"), ours, std, ref):
+            err, std_err = (x.double() - r).abs().max().item(), (s_.double() - r).abs().max().item()
+            assert x.dtype == dtype and err <= 2 * std_err + 1e-5, f"{impl} {name}: {err:.3g} > 2 x {std_err:.3g}"
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+def test_alibi_compiles_to_one_graph_and_reads_nothing_on_the_host(impl):
+    q, k, v = (torch.randn(2, 4, 21, 16, requires_grad=True) for _ in range(3))
+    pad = mt.padding_mask(torch.tensor([21, 9]), 21)
+    fn = lambda q, k, v: mt.attention(q, k, v, attn_mask=pad, is_causal=True, impl=impl, chunk_size=8,  # noqa: E731
+                                      alibi_slopes=mt.alibi_slopes(4))
+    want = forward_backward(fn, (q, k, v), [])
+    assert host_reads(lambda: forward_backward(fn, (q, k, v), [])) == []
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fn)(q, k, v)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    torch._dynamo.reset()
+    assert_same(forward_backward(torch.compile(fn, fullgraph=True, backend="aot_eager"), (q, k, v), []), want)
+
+
+def test_bad_alibi_slopes_are_refused_by_name():
+    q, k, v = make_qkv(2, 4, 8, 8, 16)
+    bad = [(torch.ones(3), ValueError, r"shape \(4,\) or \(2, 4\) on cpu, got shape \(3,\)"),
+           (torch.ones(2, 4, 1), ValueError, r"got shape \(2, 4, 1\)"),
+           (torch.ones(4, dtype=torch.float64), TypeError, "must be a float32 tensor, got torch.float64"),
+           ([0.5] * 4, TypeError, "must be a float32 tensor, got <class 'list'>"),
+           (torch.tensor([0.5, -0.25, 0.1, 0.1]), ValueError, r"alibi_slopes must lie in \[0, inf\), got min -0.25"),
+           (torch.ones(4, requires_grad=True), ValueError, "constants .* that requires grad"),
+           (torch.ones(4, device="meta"), ValueError, "on cpu, got shape \\(4,\\) on meta")]
+    for impl in mt.IMPLS:
+        for slopes, error, message in bad:
+            with pytest.raises(error, match=message):
+                run_path(impl, q, k, v, alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+def test_alibi_encoder_paths_agree_and_documents_are_encoded_alone(impl):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        models = {i: mt.Encoder(mt.EncoderConfig(impl=i, pos_encoding="alibi", chunk_size=8, **TINY)).double().eval()
+                  for i in mt.IMPLS}
+    for m in models.values():
+        m.load_state_dict(models["naive"].state_dict())
+    idx = torch.randint(0, 16, (2, 31))
+    keep = mt.padding_mask(torch.tensor([31, 12]), 31)
+    torch.testing.assert_close(models[impl](idx, attn_mask=keep, is_causal=True),
+                               models["naive"](idx, attn_mask=keep, is_causal=True), atol=1e-10, rtol=1e-10)
+    cu = [0, 9, 9, 30, 31]
+    alone = torch.cat([models[impl](idx[:, a:b]) for a, b in zip(cu, cu[1:]) if b > a], dim=1)
+    torch.testing.assert_close(models[impl](idx, cu_seqlens=torch.tensor(cu)), alone, atol=1e-10, rtol=1e-10)
+    heads = [layer.self_attn for layer in models[impl].layers]
+    assert all(torch.equal(a.alibi_slopes.float(), mt.alibi_slopes(2)) for a in heads)  # cast with the module
+    with pytest.raises(ValueError, match="pos_encoding='alibi' takes no positions"):
+        models[impl](idx, positions=torch.arange(31))
+    with pytest.raises(ValueError, match="no ALiBi"):
+        ring.ShardedEncoder(models[impl])
+
+
+def test_chunked_alibi_saves_no_quadratic_tensor():
+    # ALiBi's bias is made block by block from positions: autograd keeps only (L, D)-sized tensors (and the slopes)
+    L = 256
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, L, L, 16, dtype=torch.float32))
+    sizes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+        mt.chunked_attention(q, k, v, chunk_size=64, alibi_slopes=mt.alibi_slopes(2), is_causal=True)
+    assert max(sizes) <= 2 * L * 16
 
 
 # ----------------------------------------------------------------------------- modules
@@ -1341,7 +1488,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="impl must be one of"):
         mt.Encoder(mt.EncoderConfig(impl="fast"))
     with pytest.raises(ValueError, match="pos_encoding must be one of"):
-        mt.EncoderConfig(pos_encoding="alibi")
+        mt.EncoderConfig(pos_encoding="relative")
     with pytest.raises(ValueError, match="rope needs an even head size|RoPE needs an even head size, got 33"):
         mt.Encoder(mt.EncoderConfig(d_model=66, n_heads=2, pos_encoding="rope"))
     with pytest.raises(ValueError, match=r"q must be 4-D .* got shape \(2, 8, 16\)"):
@@ -1632,7 +1779,8 @@ def test_chunked_path_is_one_opaque_operator_for_the_compiler():
 
 
 @pytest.mark.parametrize("kw", [{}, {"is_causal": True, "window_size": 3}, {"attn_mask": "bool"}, {"attn_mask": "float"},
-                                {"dropout_p": 0.3}, {"cu_seqlens": [0, 4, 4, 9], "is_causal": True}])
+                                {"dropout_p": 0.3}, {"cu_seqlens": [0, 4, 4, 9], "is_causal": True},
+                                {"alibi": True, "attn_mask": "float"}])
 def test_chunked_operator_registration(kw):
     # torch.library.opcheck: schema, fake (meta) implementation against the real one, autograd registration
     Lq = 9 if "cu_seqlens" in kw else 11  # packed documents: self-attention
@@ -1641,7 +1789,8 @@ def test_chunked_operator_registration(kw):
             "float": torch.randn(11, 9)}.get(kw.get("attn_mask"))
     seed = torch.tensor(12345) if kw.get("dropout_p") else None
     cu_seqlens = torch.tensor(kw["cu_seqlens"]) if "cu_seqlens" in kw else None
-    args = (q, k, v, mask, seed, cu_seqlens, kw.get("dropout_p", 0.0), kw.get("is_causal", False), 0.35,
+    alibi = mt.alibi_slopes(2).reshape(1, 2, 1, 1) if kw.get("alibi") else None
+    args = (q, k, v, mask, seed, cu_seqlens, alibi, kw.get("dropout_p", 0.0), kw.get("is_causal", False), 0.35,
             kw.get("window_size"), 4, 3)
     torch.library.opcheck(torch.ops.minitransformer.chunked_attention_fwd.default, args)
 
@@ -1797,6 +1946,7 @@ def ring_errors_case(rank, world):
         refusals = [lambda: mt.MultiHeadAttention(32, 2, impl=ring.ring_impl())(x, need_weights=True),
                     lambda: mt.MultiHeadAttention(32, 2, impl=ring.ring_impl(), window_size=3)(x),
                     lambda: mt.MultiHeadAttention(32, 2, impl=ring.ring_impl())(x, torch.ones(8, 8, dtype=torch.bool)),
+                    lambda: mt.MultiHeadAttention(32, 2, impl=ring.ring_impl(), alibi=True)(x),
                     lambda: ring.ShardedEncoder(mt.Encoder(mt.EncoderConfig(dropout=0.1, **cfg))),
                     lambda: ring.ShardedEncoder(mt.Encoder(mt.EncoderConfig(window_size=4, **cfg))),
                     lambda: ring.ShardedEncoder(mt.Encoder(mt.EncoderConfig(**cfg)), layout="spiral"),
@@ -1921,7 +2071,7 @@ def test_ring_encoder_equals_the_unsharded_encoder_its_memory_is_modelled_and_ba
     for case in memory:  # the memory model of a rank, against the allocator: within 3%
         assert all(0.97 < ratio < 1.03 for ratio in results[case]), (case, results[case])
     for rank, messages in enumerate(results[("errors",)]):
-        assert len(messages) == 12  # every case raised on every rank: none left another waiting
+        assert len(messages) == 13  # every case raised on every rank: none left another waiting
         assert "ring_attention needs shards of one shape, dtype and layout" in messages[0] and "n from 6 to 8" in messages[0]
         assert f"rank {rank}: a zigzag layout cuts the sequence into 4 equal parts" in messages[1]
         assert "even" in messages[1] and all(f"rank {r}:" in messages[1] for r in range(2))
@@ -1930,8 +2080,9 @@ def test_ring_encoder_equals_the_unsharded_encoder_its_memory_is_modelled_and_ba
         assert "refused its input on rank 0:" in messages[3] and ("q must be 4-D" in messages[3]) == (rank == 0)
         assert "is_causal from 0 to 1, scale" in messages[4]
         assert "need_weights" in messages[5] and "no window_size" in messages[6] and "no attn_mask" in messages[7]
-        assert "no dropout" in messages[8] and "window_size=4" in messages[9] and "layout must be one of" in messages[10]
-        assert "attention_weights needs the whole sequence" in messages[11]
+        assert "no alibi_slopes, got" in messages[8] and "alibi_slopes=(2,)" in messages[8]
+        assert "no dropout" in messages[9] and "window_size=4" in messages[10] and "layout must be one of" in messages[11]
+        assert "attention_weights needs the whole sequence" in messages[12]
     with pytest.raises(RuntimeError, match="ring_attention needs a process group"):
         ring.ring_attention(*(torch.randn(1, 2, 8, 8) for _ in range(3)))
 
@@ -2112,14 +2263,15 @@ def test_memory_model_terms_that_no_measurement_here_can_check():
     assert study.sdpa_kernel({**point, "device": "cuda", "kernel": "cudnn"}) == "cudnn"  # torch's own choice
 
 
-def _measured_peak_mib(path, mode, B, H, L, D, Dv, dtype, chunk_size=None, causal=False, window=None, docs=None):
+def _measured_peak_mib(path, mode, B, H, L, D, Dv, dtype, chunk_size=None, causal=False, window=None, docs=None,
+                       alibi=False):
     """The allocator's peak of one call above its inputs, in this process (study._AllocPeak)."""
     g = torch.Generator().manual_seed(0)
     dt, train = getattr(torch, dtype), mode == "fwd+bwd"
     q, k = (torch.randn(B, H, L, D, generator=g).to(dt).requires_grad_(train) for _ in range(2))
     v = torch.randn(B, H, L, Dv, generator=g).to(dt).requires_grad_(train)
     dout = torch.randn(B, H, L, Dv, generator=g).to(dt)
-    kw = dict(is_causal=causal, window_size=window,
+    kw = dict(is_causal=causal, window_size=window, alibi_slopes=mt.alibi_slopes(H) if alibi else None,
               cu_seqlens=torch.tensor(study.packed_offsets(L, docs)) if docs else None)
     call = {"naive": lambda: mt.naive_attention(q, k, v, **kw)[0],
             "chunked": lambda: mt.chunked_attention(q, k, v, chunk_size=chunk_size, **kw),
@@ -2162,18 +2314,23 @@ def test_memory_model_predicts_the_allocators_peak():
              ("flash", "fwd", 2, 3, 1024, 48, 48, "bfloat16", {"window": 100}),
              ("flash", "fwd", 2, 3, 300, 48, 48, "float32", {"window": 400, "causal": True}),
              ("flash", "fwd+bwd", 2, 3, 300, 48, 48, "float32", {"window": 400}),
-             ("flash", "fwd+bwd", 2, 16, 2048, 64, 64, "bfloat16", {"docs": 8})]
+             ("flash", "fwd+bwd", 2, 16, 2048, 64, 64, "bfloat16", {"docs": 8}),
+             ("chunked", "fwd", 2, 8, 1024, 64, 64, "float32", {"alibi": True, "causal": True}),  # its blocks
+             ("chunked", "fwd+bwd", 1, 8, 2048, 64, 64, "float32", {"alibi": True}),
+             ("flash", "fwd", 1, 8, 1024, 64, 64, "float32", {"alibi": True, "causal": True}),  # its (H, n, n) bias
+             ("flash", "fwd+bwd", 2, 8, 1024, 64, 64, "float32", {"alibi": True})]
     for path, mode, B, H, L, D, Dv, dtype, kw in cases:
         itemsize = getattr(torch, dtype).itemsize
         point = {"path": path, "n": L, "causal": kw.get("causal", False), "window": kw.get("window"),
-                 "docs": kw.get("docs")}
+                 "docs": kw.get("docs"), "alibi": kw.get("alibi", False)}
+        alibi = H if kw.get("alibi") else 0
         if path == "naive":
             terms = study.naive_memory(B, H, L, L, D, Dv, itemsize, mode, study._masked(point))
         elif path == "chunked":
             terms = study.chunked_memory(B, H, L, L, D, Dv, itemsize, mode, *kw.get("chunk_size", (256, 256)),
-                                         docs=bool(kw.get("docs")), copies=itemsize < 4)
+                                         docs=bool(kw.get("docs")), copies=itemsize < 4, alibi=alibi)
         else:
-            terms = study.flash_memory(B, H, L, L, D, Dv, itemsize, mode, "cpu", study._masked(point), threads)
+            terms = study.flash_memory(B, H, L, L, D, Dv, itemsize, mode, "cpu", study._masked(point), threads, alibi)
         measured = _measured_peak_mib(path, mode, B, H, L, D, Dv, dtype, **kw)
         assert 0.97 < measured / (sum(terms.values()) / 2**20) < 1.03, (path, mode, L, dtype, kw, measured, terms)
 
