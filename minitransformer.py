@@ -1175,9 +1175,9 @@ class Encoder(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            # the token embedding is multiplied by sqrt(d_model): this makes the product of unit scale
-            nn.init.normal_(module.weight, std=module.embedding_dim ** -0.5 if module is self.embed else 0.02)
+        elif isinstance(module, nn.Embedding):  # tokens (times sqrt(d_model)) and learned positions: unit
+            # scale, as the sinusoidal table's; at GPT-2's 0.02 (its tokens unscaled) positions would drown
+            nn.init.normal_(module.weight, std=module.embedding_dim ** -0.5 if module is self.embed else 1.0)
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
