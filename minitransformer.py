@@ -15,13 +15,13 @@ ring_attention.py continues the chunked path across devices; study.py measures w
 Where each idea of a Transformer tutorial lives:
     scaled dot-product attention        standard_attention (core); naive_attention
     multi-head attention                MultiHeadAttention (d_model % n_heads checked, head size < 32 warned)
-    positional encodings                SinusoidalPositionalEncoding, LearnedPositionalEncoding, RotaryEmbedding;
-                                        relative: alibi_slopes (alibi_slopes= of every path)
+    positional encodings                SinusoidalPositionalEncoding, LearnedPositionalEncoding,
+                                        RotaryEmbedding; relative: alibi_slopes (alibi_slopes= of every path)
     encoder layer: residuals, LayerNorm EncoderLayer (post-LN as in the paper, or pre-LN), Encoder
     O(n^2) memory of the scores         standard_attention, naive_attention; measured by study.py
     chunked computation                 blockwise_attention (core); chunked_attention
     local and sparse attention          window_size= of every hardened path; any pattern as a bool attn_mask
-    FlashAttention                      blockwise_attention (the algorithm); flash_attention (PyTorch's kernels)
+    FlashAttention                      blockwise_attention (the algorithm); flash_attention (PyTorch's)
     mixed precision                     _train (autocast), optimizer_step (GradScaler): --amp bf16 or fp16
     gradient clipping                   optimizer_step: the gradients unscaled first, then clipped
     learning-rate warm-up               lr_factor: linear warm-up, then cosine decay
@@ -126,17 +126,17 @@ class BlockwiseAttention(torch.autograd.Function):
             m = q.new_full((*batch, rows.stop - rows.start, 1), float("-inf"))
             l = torch.zeros_like(m)
             o = q.new_zeros(*batch, rows.stop - rows.start, v.size(-1))
-            for cols in _blocks(min(Lk, rows.stop) if is_causal else Lk, block_size):  # causal: keys j < rows.stop
+            for cols in _blocks(min(Lk, rows.stop) if is_causal else Lk, block_size):  # causal: j < rows.stop
                 s = _block_scores(q, k, keep, is_causal, rows, cols)  # (B, H, rows, cols)
                 m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-                m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # no key seen yet: exp(-inf) = 0, not NaN
+                m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # no key seen yet: exp(-inf), no NaN
                 p = torch.exp(s - m_safe)  # P~
                 a = torch.exp(m - m_safe)  # rescales what was summed under the old max
                 l = a * l + p.sum(-1, keepdim=True)
                 o = a * o + p @ v[..., cols, :]
                 m = m_new
             out[..., rows, :] = o / l.masked_fill(l == 0, 1.0)  # a query that saw no key: o = 0, so 0
-            lse[..., rows, :] = (m + torch.log(l)).masked_fill(l == 0, float("inf"))  # so P = exp(S - inf) = 0
+            lse[..., rows, :] = (m + torch.log(l)).masked_fill(l == 0, float("inf"))  # P = exp(S - inf) = 0
         ctx.save_for_backward(q, k, v, out, lse, keep)
         ctx.is_causal, ctx.block_size = is_causal, block_size
         return out
@@ -504,8 +504,9 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
     cq, ck = _chunks(default_chunk_size(q.device) if chunk_size is None else chunk_size)
     seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
-    out, _m, _log2_l = _chunked_fwd(q, k, v, attn_mask, seed, cu_seqlens, _check_alibi(alibi_slopes, q), dropout_p,
-                                    is_causal, scale, window_size, cq, ck)  # m and log2(l): for the backward
+    alibi_slopes = _check_alibi(alibi_slopes, q)
+    out, _m, _log2_l = _chunked_fwd(q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p, is_causal,
+                                    scale, window_size, cq, ck)  # m and log2(l): for the backward
     return out
 
 
@@ -536,7 +537,7 @@ def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_siz
     opts = BlockOptions(scale, is_causal, window_size, ck, attn_mask, dropout_p, *hashes)
     if cu_seqlens is not None:
         opts.doc_ids, opts.offsets = documents(cu_seqlens, q.size(-2), q.device)[0], cu_seqlens.tolist()
-    if alibi_slopes is not None:  # a float mask joins the bias before both go to base 2 (_scores); else at once
+    if alibi_slopes is not None:  # a float mask joins the bias before both go to base 2 (_scores); else now
         float_mask = attn_mask is not None and attn_mask.is_floating_point()
         opts.alibi_slopes = alibi_slopes if float_mask else alibi_slopes * LOG2E
     return opts
@@ -561,8 +562,9 @@ _OPS = re.sub(r"\W", "_", __name__)
 @torch.library.custom_op(f"{_OPS}::chunked_attention_fwd", mutates_args=())
 @_autocast_off
 def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
-                 seed: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
-                 dropout_p: float, is_causal: bool, scale: float, window_size: Optional[int], cq: int, ck: int
+                 seed: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                 alibi_slopes: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
+                 window_size: Optional[int], cq: int, ck: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """chunked_forward as an operator: out, m, log2(l)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # every block a view, never a copy
@@ -574,15 +576,17 @@ def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
 @_autocast_off
 def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  m: torch.Tensor, log2_l: torch.Tensor, attn_mask: Optional[torch.Tensor],
-                 seed: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
-                 dropout_p: float, is_causal: bool, scale: float, window_size: Optional[int], cq: int, ck: int,
-                 mask_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 seed: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                 alibi_slopes: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
+                 window_size: Optional[int], cq: int, ck: int, mask_grad: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """chunked_backward as an operator: dq, dk, dv, and a float attn_mask's gradient when mask_grad
     (else an empty tensor)."""
     grads = [torch.zeros_like(t, dtype=m.dtype) for t in (q, k, v)]  # laid out as q, k, v (register_fake)
     dmask = torch.zeros_like(attn_mask, dtype=m.dtype) if mask_grad else None
     dout, q, k, v = dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous()
-    opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens, alibi_slopes)
+    opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens,
+                         alibi_slopes)
     dq, dk, dv = chunked_backward(dout, q, k, v, out, m, log2_l, *grads, dmask, opts, cq)
     return dq, dk, dv, dmask.to(attn_mask.dtype) if mask_grad else q.new_empty(0)
 
@@ -602,7 +606,7 @@ def _(dout, q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens, alibi_slopes, 
 
 def _chunked_save(ctx, inputs, output):
     q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, *options = inputs
-    ctx.save_for_backward(q, k, v, *output, attn_mask, seed, cu_seqlens, alibi_slopes)  # output: out, m, log2(l)
+    ctx.save_for_backward(q, k, v, *output, attn_mask, seed, cu_seqlens, alibi_slopes)  # out, m, log2 l
     ctx.options = options  # dropout_p, is_causal, scale, window_size, cq, ck
 
 
@@ -644,7 +648,8 @@ def _scores(q, k, rows, cols, opts):
     recomputes it. A float mask's block goes to base 2 here, in that dtype, clamped to its finite range."""
     s = _matmul(q[:, :, rows], k[:, :, cols].transpose(-2, -1), alpha=opts.scale * LOG2E)
     mask = mask_block(opts.mask, rows, cols, is_causal=opts.is_causal, window_size=opts.window_size,
-                      doc_ids=opts.doc_ids, offsets=opts.offsets, alibi_slopes=opts.alibi_slopes, device=q.device)
+                      doc_ids=opts.doc_ids, offsets=opts.offsets, alibi_slopes=opts.alibi_slopes,
+                      device=q.device)
     if opts.mask is not None and opts.mask.is_floating_point():
         mask = _finite_bias(mask, s.dtype, LOG2E)
     return _apply_mask(s, mask)
@@ -763,9 +768,10 @@ def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_
     device_type, choose = device_type or q.device.type, choose or _chosen_kernel
     mask, dead = None, None
     doc_ids = None if cu_seqlens is None else documents(cu_seqlens, q.size(-2), q.device)[0]
-    if any(x is not None for x in (attn_mask, window_size, doc_ids, alibi_slopes)):  # pure causality: the flag
+    if any(x is not None for x in (attn_mask, window_size, doc_ids, alibi_slopes)):  # causality alone: a flag
         mask = mask_block(attn_mask, slice(0, q.size(-2)), slice(0, k.size(-2)), is_causal=is_causal,
-                          window_size=window_size, doc_ids=doc_ids, alibi_slopes=alibi_slopes, device=q.device)
+                          window_size=window_size, doc_ids=doc_ids, alibi_slopes=alibi_slopes,
+                          device=q.device)
         is_causal = False
     float_mask = mask is not None and mask.is_floating_point()
     if float_mask and mask.dtype not in (q.dtype, torch.float32):  # a dtype SDPA takes, the wider kept
@@ -873,8 +879,9 @@ def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, impl="flash",
               window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None):
-    """Attention through impl: one of IMPLS, or a function with SDPA's arguments, window_size=, cu_seqlens= and
-    alibi_slopes= (ring_attention.ring_impl). q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv)."""
+    """Attention through impl: one of IMPLS, or a function with SDPA's arguments, window_size=, cu_seqlens=
+    and alibi_slopes= (ring_attention.ring_impl, approximate_attention's modules).
+    q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv)."""
     kw = dict(window_size=window_size, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes)
     if callable(impl):
         return impl(q, k, v, attn_mask, dropout_p, is_causal, scale, **kw)
@@ -1057,7 +1064,8 @@ class EncoderLayer(nn.Module):
     """
 
     def __init__(self, d_model, n_heads, d_ff, dropout=0.1, norm_first=False, activation="relu", impl="flash",
-                 layer_norm_eps=1e-5, *, bias=True, chunk_size=None, window_size=None, rope=None, alibi=False):
+                 layer_norm_eps=1e-5, *, bias=True, chunk_size=None, window_size=None, rope=None,
+                 alibi=False):
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be one of {tuple(_ACTIVATIONS)}, got {activation!r}")
@@ -1194,10 +1202,10 @@ class Encoder(nn.Module):
         """positions: the (T,) positions of idx's tokens (default 0 .. T-1), as for a shard of a longer
         sequence (ring_attention.ShardedEncoder). cu_seqlens: every row packs these documents (see
         documents()); each is encoded as if alone, its positions restarting at 0."""
-        if self.config.pos_encoding == "alibi":  # its bias comes from the tokens' places in the row or document
+        if self.config.pos_encoding == "alibi":  # its bias: from the tokens' places in the row or document
             if positions is not None:
-                raise ValueError("pos_encoding='alibi' takes no positions: its bias is -slope * |i - j| for the "
-                                 "tokens' places i, j in the row (or in one document of cu_seqlens)")
+                raise ValueError("pos_encoding='alibi' takes no positions: its bias is -slope * |i - j| for "
+                                 "the tokens' places i, j in the row (or in one document of cu_seqlens)")
         elif cu_seqlens is not None and positions is None:
             positions = documents(cu_seqlens, idx.size(-1), idx.device)[1]
         if positions is not None:  # named here: past the tables' end it would be a bare IndexError
@@ -1738,10 +1746,12 @@ def _check_alibi(slopes, q):
         return None
     B, H = q.shape[:2]
     if not torch.is_tensor(slopes) or slopes.dtype != torch.float32:
-        raise TypeError(f"alibi_slopes must be a float32 tensor, got {getattr(slopes, 'dtype', type(slopes))}")
+        got = getattr(slopes, "dtype", type(slopes))
+        raise TypeError(f"alibi_slopes must be a float32 tensor, got {got}")
     if tuple(slopes.shape) not in ((H,), (B, H)) or slopes.device != q.device or slopes.requires_grad:
-        raise ValueError(f"alibi_slopes must be constants of shape ({H},) or ({B}, {H}) on {q.device}, got shape "
-                         f"{tuple(slopes.shape)} on {slopes.device}{' that requires grad' * slopes.requires_grad}")
+        raise ValueError(f"alibi_slopes must be constants of shape ({H},) or ({B}, {H}) on {q.device}, got "
+                         f"shape {tuple(slopes.shape)} on {slopes.device}"
+                         f"{' that requires grad' * slopes.requires_grad}")
     _check_range(slopes, 0, math.inf, "alibi_slopes")
     return slopes.to(torch.promote_types(q.dtype, torch.float32)).reshape(-1, H, 1, 1)
 
