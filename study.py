@@ -9,19 +9,11 @@ study.py: what attention really costs, predicted and measured on your own machin
     python study.py --report --out D   # redraw D's plots and summary.md from D/study.csv
     python study.py --out results/cpu  # refresh the committed reference (only ever on request)
 
-It sweeps the sequence length n over every attention path of minitransformer (naive, chunked,
-flash; on CUDA also each fused SDPA kernel forced in turn), forward and forward+backward, and
-records per point: the median time of repeats after a warm-up; peak_mib, the peak of the bytes
-PyTorch's allocator holds for the call above its inputs (CUDA: its statistics; CPU: its record of
-every allocation, through the profiler); predicted_mib, the same peak from the memory model below,
-term by term; rss_mib (Linux), what the process took from the OS; TFLOP/s by FlashAttention's
-count. --predict prints the model's peak, the FLOPs and a time bound for any shape, measuring nothing.
-
-Each point runs in a worker process under a memory budget (--mem-budget; CPU 4 GiB, a small GPU;
-CUDA the GPU's own): a point that needs more is recorded as out of memory and its curve stops, the
-memory wall. On Linux the budget is the worker's address space (RLIMIT_AS); elsewhere a point is
-not run when the model's peak exceeds it. Rows go to <out>/study.csv as they are measured; plots,
-exponents and summary.md follow. Runs go to runs/ (git-ignored); results/<device> only on request.
+It sweeps the sequence length n over every attention path (naive, chunked, flash, each fused SDPA
+kernel on CUDA; ring, packed, ALiBi and approximate series when named), forward and forward+backward,
+each point in a worker process under a memory budget, and records its time (the spread of its repeats
+too), the allocator's peak above its inputs beside the memory model's (predicted_mib), RSS and TFLOP/s,
+row by row into <out>/study.csv; plots, exponents and summary.md follow. Its manual: results/README.md.
 """
 
 import argparse
@@ -43,6 +35,7 @@ from multiprocessing.connection import wait
 
 import torch
 
+import approximate_attention as approx
 import minitransformer as mt
 import ring_attention
 
@@ -54,9 +47,10 @@ except ImportError:
 # kernel enforces (RLIMIT_AS). Elsewhere rss_mib stays empty and the memory wall is predicted.
 LINUX_MEMORY = sys.platform.startswith("linux") and os.path.exists("/proc/self/clear_refs") and resource is not None
 
-COLUMNS = ["device", "torch", "dtype", "series", "path", "kernel", "mode", "causal", "window", "docs", "alibi", "B", "H",
-           "D", "n", "world", "ms", "ms_min", "ms_max", "comm_ms", "peak_mib", "predicted_mib", "rss_mib", "tflops",
-           "pct_matmul", "pairs", "matmul_tflops", "mem_budget_gib", "status", "noise"]
+COLUMNS = ["device", "torch", "dtype", "series", "path", "kernel", "mode", "causal", "window", "docs", "alibi", "B",
+           "H", "D", "n", "world", "setting", "ms", "ms_min", "ms_max", "comm_ms", "peak_mib", "predicted_mib",
+           "rss_mib", "tflops", "pct_matmul", "pairs", "matmul_tflops", "mem_budget_gib", "status", "noise",
+           "error_random", "error_trained"]
 MODES = ("fwd", "fwd+bwd")
 MIB = 2**20
 SDPA_SERIES = {"sdpa-flash": "flash", "sdpa-efficient": "efficient", "sdpa-cudnn": "cudnn"}
@@ -108,6 +102,8 @@ def computed_pairs(point):
     kernels skip causal pairs only when causality reaches them as a flag; naive, and SDPA given a window
     or documents (only as an (n, n) mask), compute every pair and mask the rest."""
     p, n = point, point["n"]
+    if p["path"] in approx.STRATEGIES:
+        return approx.SCORES[p["path"]](n, p["setting"])
     if p.get("docs") and p["path"] == "chunked":
         cq, ck = chunk_sizes(p)
         offsets = packed_offsets(n, p["docs"])
@@ -125,13 +121,11 @@ def computed_flops(point):
 
 
 # -----------------------------------------------------------------------------
-# The memory model: the bytes each path holds at its peak above its inputs (q, k, v; and dout for
-# fwd+bwd), term by term. A call goes through phases (the forward, the backward's block loop, its
-# end); each formula lists the tensors alive together in the phases that can weigh most, and the
-# peak is the heaviest. The sizes are those of the code in minitransformer.py and ring_attention.py,
-# and for SDPA's kernels of what PyTorch's source allocates (flash_memory). B, H: batch and heads;
-# Lq, Lk: query and key lengths; D, Dv: head sizes of q and k, and of v; itemsize: bytes of the
-# inputs' dtype. Statistics and accumulators are float32 (float64 for float64 inputs).
+# The memory model: the bytes each path holds at its peak above its inputs (q, k, v; and dout for fwd+bwd),
+# term by term: the tensors alive together in each phase of a call (the forward, the backward's block loop,
+# its end), the peak the heaviest; sizes from the code (minitransformer.py, ring_attention.py) and, for SDPA's
+# kernels, from what PyTorch's source allocates. B, H: batch and heads; Lq, Lk: query and key lengths; D, Dv:
+# head sizes of q, k and of v; itemsize: bytes of the inputs' dtype; accumulators float32 (float64 for float64).
 
 
 def _heaviest(*phases):
@@ -191,7 +185,8 @@ def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies, alibi=0)
     else:
         phases = [(2, 1, max(cols * Dv, rows * D, cols * D))]  # a product beside P_j and dP_j
     if alibi:  # S_j beside P_{j-1} (and dP_{j-1}, backward)
-        phases.append((1 + several * (1 if mode == "fwd" else 2), several * (mode != "fwd"), (alibi + 1) * cq * ck * acc))
+        bwd = mode != "fwd"
+        phases.append((1 + several * (1 + bwd), several * bwd, (alibi + 1) * cq * ck * acc))
     blocks, lows, extra = max(phases, key=lambda ph: ph[0] * block + ph[1] * low + ph[2])
     terms = {f"{blocks} blocks of scores (B, H, cq, ck) float32": blocks * block,
              "products (and float32 copies of 16-bit operands), ALiBi's block": extra}
@@ -347,7 +342,7 @@ def predicted_terms(point, threads=None):
         terms = chunked_memory(B, H, n, n, D, D, itemsize, mode, *chunk_sizes(p), bool(p.get("docs")), copies, alibi)
     elif p["path"] == "ring":  # its blocks are always the device's default
         terms = ring_memory(B, H, n, D, D, itemsize, mode, p["world"], *chunk_sizes({**p, "chunk_size": None}), copies)
-    elif kernel := sdpa_kernel(p):
+    elif p["path"] in ("flash", *SDPA_SERIES) and (kernel := sdpa_kernel(p)):
         terms = flash_memory(B, H, n, n, D, D, itemsize, mode, kernel, _masked(p), threads or torch.get_num_threads(),
                              alibi)
     else:
@@ -384,12 +379,10 @@ def fit_exponent(ns, ys, last=3):
     return sum((x - mx) * (l - my) for x, l in zip(xs, ls)) / sum((x - mx) ** 2 for x in xs)
 
 
-# Over two doublings, curves that still carry fixed costs gave memory "exponents" of -0.46 and 1.27
-# for chunked and flash, two linear paths (--quick); so an exponent takes the FIT_POINTS largest n,
-# spanning at least MIN_SPAN (three doublings), every step up in n raising the value by more than
-# its noise, and for the growth exponent, successive differences that follow one power (local
-# exponents within MAX_SPREAD of each other: below one block, the chunked path's workspace still
-# grows with n, and its differences do not). Otherwise this range cannot tell, and gives no number.
+# Over two doublings, fixed costs gave two linear paths memory "exponents" of -0.46 and 1.27 (--quick): so an
+# exponent takes the FIT_POINTS largest n, spanning MIN_SPAN (three doublings), every step up above its noise,
+# and for growth, successive differences that follow one power (local exponents within MAX_SPREAD; below one
+# block the chunked workspace still grows). Otherwise this range cannot tell, and gives no number.
 FIT_POINTS, MIN_SPAN, MAX_SPREAD = 4, 8, 0.25
 NOISE = {  # (absolute, relative) that a step up in n must exceed
     "peak_mib": (0.5, 0.0),  # exact, written with 0.1 MiB: five times that
@@ -591,6 +584,9 @@ def _attention_call(spec, q, k, v):
         return (lambda: mt.chunked_attention(q, k, v, chunk_size=spec["chunk_size"], **kw)), "chunked"
     if path == "ring":
         return (lambda: ring_attention.ring_attention(q, k, v, is_causal=spec["causal"])), "ring"
+    if path in approx.STRATEGIES:
+        strategy = approx.STRATEGIES[path](spec["setting"], q.size(-2), q.size(-1)).to(q.device, q.dtype)
+        return (lambda: strategy(q, k, v, is_causal=spec["causal"])), path
     return (lambda: mt.naive_attention(q, k, v, **kw)[0]), "naive"
 
 
@@ -673,8 +669,19 @@ def measure_point(spec):
     times = [1e3 * t for t in [first] + [work.timed(step) for _ in range(reps)]]
     ms = statistics.median(times)
     comm = ms * _ring_wait_share(work, step) if spec["path"] == "ring" and not cuda else None
+    errors = _errors(spec, work) if spec["path"] in approx.STRATEGIES and spec["mode"] == "fwd" else {}
     return {"kernel": kernel, "ms": ms, "ms_min": min(times), "ms_max": max(times), "comm_ms": comm,
-            "peak_mib": alloc.mib, "rss_mib": rss}
+            "peak_mib": alloc.mib, "rss_mib": rss, **errors}
+
+
+def _errors(spec, work):
+    """A strategy's error (approximate_attention.error_of) on the point's random q, k, v, and on those of the last
+    layer of an encoder trained on the reversal task (spec["trained"]), which carry what random ones lack."""
+    make = approx.STRATEGIES[spec["path"]]
+    inputs = {"error_random": (work.q, work.k, work.v),
+              "error_trained": approx.trained_inputs(spec["trained"], spec["n"], work.device)}
+    return {name: approx.error_of(make(spec["setting"], q.size(-2), q.size(-1)).to(q.device, q.dtype), q, k, v,
+                                  spec["causal"]) for name, (q, k, v) in inputs.items()}
 
 
 def _ring_wait_share(work, step):
@@ -905,24 +912,25 @@ class Series:
     world: int = 1  # processes: a ring series cuts the sequence across `world` of them
     docs: int | None = None  # packed: documents of random lengths side by side (packed_offsets)
     alibi: bool = False  # ALiBi's bias, alibi_slopes of the H heads
+    setting: int | None = None  # an approximate strategy's stride, rank or ratio (approximate_attention)
     default: bool = True  # in the sweep when --series names none
 
 
-# The default CPU sweep, 256..16384 within about 2 minutes on 2 cores (results/cpu):
-# - naive runs until the 4 GiB budget stops it: at 8192 one (H, n, n) float32 score matrix is 2 GiB;
-# - chunked and flash stop at 8192, past naive's wall: 16384 would take four times as long again;
-# - chunked-window256 has linear time, so it alone goes on to 16384, at twice naive's wall;
-# - chunked-causal stops at 4096, where its block-skipping speed-up shows;
-# - flash-window256 stops at 4096: SDPA takes a window only as an (n, n) mask, whose memory grows as n^2;
-# - the packed series and ring2, ring4 (1 thread a process) run only when --series names them.
+# The default CPU sweep, 256..16384 within about 2 minutes on 2 cores (results/cpu): naive until the 4 GiB
+# budget stops it (at 8192 one (H, n, n) float32 matrix is 2 GiB); chunked and flash to 8192, past that wall;
+# chunked-window256, linear in time, to 16384; chunked-causal (its block skipping) and flash-window256 (an
+# (n, n) mask) to 4096. The packed, ALiBi, ring and approximate series run only when --series names them.
 CPU_DEFAULT_CAPS = {"chunked": 8192, "flash": 8192, "chunked-causal": 4096, "flash-window256": 4096}
+# approximate_attention's strategies and settings (a stride of about sqrt(n), two ranks, two ratios)
+APPROXIMATE = [("strided", 64), ("strided", 128), ("linear", None), ("lowrank", 64), ("lowrank", 256),
+               ("compressed", 4), ("compressed", 16)]
 
 
 def default_series(device, causal, window, caps=None, gpus=None):
     """naive, chunked, flash (+ each fused SDPA kernel on CUDA), chunked-causal, chunked-window<w>, flash-window<w>;
-    outside the default, <path>-packed8 and -packed32 (8 or 32 documents in every row) for naive, chunked
-    and flash, and ring2 and ring4 (P processes: gloo on CPU, NCCL where there are P GPUs or more:
-    `gpus`, default the count here). caps: {series name: longest n}."""
+    outside the default, <path>-packed8 and -packed32 (8 or 32 documents in every row) for naive, chunked and
+    flash, chunked-alibi and flash-alibi, the APPROXIMATE strategies, and ring2 and ring4 (P processes: gloo on
+    CPU, NCCL where there are P GPUs or more: `gpus`, default the count here). caps: {series name: longest n}."""
     series = [Series("naive", "naive", causal), Series("chunked", "chunked", causal), Series("flash", "flash", causal)]
     if device.type == "cuda":
         series += [Series(name, name, causal) for name in SDPA_SERIES]
@@ -934,6 +942,8 @@ def default_series(device, causal, window, caps=None, gpus=None):
     for docs in (8, 32):  # packed documents; chunked computes about the sum of their squared lengths
         series += [Series(f"{path}-packed{docs}", path, causal, docs=docs, default=False) for path in mt.IMPLS]
     series += [Series(f"{path}-alibi", path, causal, alibi=True, default=False) for path in ("chunked", "flash")]
+    series += [Series(f"{path}{setting or ''}", path, causal, setting=setting, default=False)
+               for path, setting in APPROXIMATE if not causal or path in ("strided", "linear")]  # those with is_causal
     gpus = torch.cuda.device_count() if gpus is None else gpus
     series += [Series(f"ring{P}", "ring", causal, world=P, default=False) for P in (2, 4)
                if device.type == "cpu" or gpus >= P]
@@ -987,6 +997,8 @@ def predicted_mib(point, threads=None):
 
 
 NOISY = 1.25  # a point whose slowest repeat took over 1.25x its fastest is measured once more, then marked
+_FORMATS = {".3f": ("ms", "ms_min", "ms_max", "comm_ms"), ".1f": ("peak_mib", "rss_mib", "predicted_mib", "pct_matmul"),
+            ".4f": ("tflops", "pairs"), ".3e": ("error_random", "error_trained")}  # how a measured row is written
 
 
 def spread(result):
@@ -1037,25 +1049,19 @@ def sweep(points, runner, log, done, ceiling, threads, say=print, predict_wall=F
             r, noise = _measured_once_more(p, runner(p), runner)
             predicted = predicted_mib({**p, "kernel": r["kernel"]}, threads)
             tflops = computed_flops(p) / (r["ms"] / 1e3) / 1e12
-            row = {**base, "kernel": r["kernel"], "ms": f"{r['ms']:.3f}", "peak_mib": f"{r['peak_mib']:.1f}",
-                   **{c: f"{r[c]:.3f}" for c in ("ms_min", "ms_max") if r.get(c) is not None}, "noise": noise,
-                   "predicted_mib": "" if predicted is None else f"{predicted:.1f}", "tflops": f"{tflops:.4f}",
-                   "comm_ms": "" if r.get("comm_ms") is None else f"{r['comm_ms']:.3f}",
-                   "rss_mib": "" if r.get("rss_mib") is None else f"{r['rss_mib']:.1f}",
-                   "pct_matmul": f"{100 * tflops / ceiling:.1f}",
-                   "pairs": f"{computed_pairs(p) / p['n'] ** 2:.4f}", "status": "ok"}
+            measured = {**r, "predicted_mib": predicted, "tflops": tflops, "pct_matmul": 100 * tflops / ceiling,
+                        "pairs": computed_pairs(p) / p["n"] ** 2}
+            row = {**base, "kernel": r["kernel"], "noise": noise, "status": "ok", **{
+                c: "" if measured.get(c) is None else format(measured[c], f) for f, cs in _FORMATS.items() for c in cs}}
             rss = "" if r.get("rss_mib") is None else f", RSS {r['rss_mib']:.0f}"
             model = "not modelled" if predicted is None else f"predicted {predicted:.0f}"
             said = f", {noise.split(';')[0]}" if noise else ""
             say(f"{label}: {r['ms']:.1f} ms, {r['peak_mib']:.0f} MiB ({model}{rss}) ({r['kernel']}){said}")
-        except PointOOM as e:
+        except (PointOOM, PointUnsupported) as e:
             stopped.add((p["series"], p["mode"]))
-            row = {**base, "status": f"oom: {e}"[:120]}
-            say(f"{label}: out of memory ({str(e)[:60]}), curve stops here")
-        except PointUnsupported as e:
-            stopped.add((p["series"], p["mode"]))
-            row = {**base, "status": f"unsupported: {e}"[:120]}
-            say(f"{label}: {e}, series skipped")
+            oom = isinstance(e, PointOOM)
+            row = {**base, "status": f"{'oom' if oom else 'unsupported'}: {e}"[:120]}
+            say(f"{label}: out of memory ({str(e)[:60]}), curve stops here" if oom else f"{label}: {e}, series skipped")
         log.write(row)
 
 
@@ -1142,11 +1148,10 @@ def plot(rows, out_dir, title):
                 if rs := curves.get((s, mode)):
                     ns, ys = [int(r["n"]) for r in rs], [max(float(r[col]), 1e-3) for r in rs]
                     ax.loglog(ns, ys, "-", base=2, label=f"{s} (exponent {_exp(fits[(s, mode)][what])})", **style[s])
-                    spread_of = [r for r in rs if spread(r) is not None]
-                    if what == "time" and spread_of:  # the fastest and slowest repeat of each point
-                        ax.errorbar([int(r["n"]) for r in spread_of], [float(r["ms"]) for r in spread_of],
-                                    yerr=[[float(r["ms"]) - float(r["ms_min"]) for r in spread_of],
-                                          [float(r["ms_max"]) - float(r["ms"]) for r in spread_of]],
+                    bars = [(int(r["n"]), *(float(r[c]) for c in ("ms", "ms_min", "ms_max"))) for r in rs if spread(r)]
+                    if what == "time" and bars:  # the fastest and slowest repeat of each point
+                        n_, ms, lo, hi = zip(*bars)
+                        ax.errorbar(n_, ms, yerr=[[m - a for m, a in zip(ms, lo)], [b - m for m, b in zip(ms, hi)]],
                                     fmt="none", ecolor=style[s]["color"], capsize=3, lw=1)
             if what == "memory" and budget_mib:  # the wall: the budget, and where each curve hit it
                 ax.axhline(budget_mib, color="gray", ls="--", lw=1, label=f"memory budget {budget_mib / 1024:.3g} GiB")
@@ -1174,21 +1179,32 @@ def plot(rows, out_dir, title):
     return files
 
 
+def _time_range(row, base):
+    """The range of row's time over base's that their repeats allow (fastest over slowest, slowest over fastest),
+    or None where either did not record its spread."""
+    if spread(row) is None or spread(base) is None:
+        return None
+    return float(row["ms_min"]) / float(base["ms_max"]), float(row["ms_max"]) / max(float(base["ms_min"]), 1e-3)
+
+
 def _ratio(row, base, col):
-    """row[col] / base[col] as "1.23x"; "-" where either row is missing. Times carry the spread their repeats
-    allow, (row's fastest / base's slowest - row's slowest / base's fastest), where both recorded it."""
+    """row[col] / base[col] as "1.23x"; "-" where either row is missing; times with their range (_time_range)."""
     if not (row and base):
         return "-"
-    text = f"{float(row[col]) / max(float(base[col]), 1e-3):.2f}x"
-    if col == "ms" and spread(row) is not None and spread(base) is not None:
-        lo = float(row["ms_min"]) / float(base["ms_max"])
-        hi = float(row["ms_max"]) / max(float(base["ms_min"]), 1e-3)
-        text += f" ({lo:.2f}-{hi:.2f})"
-    return text
+    limits = _time_range(row, base) if col == "ms" else None
+    return f"{float(row[col]) / max(float(base[col]), 1e-3):.2f}x" + (" (%.2f-%.2f)" % limits if limits else "")
 
 
 def _at(curves, series, mode, n):
     return next((r for r in curves.get((series, mode), []) if int(r["n"]) == n), None)
+
+
+def _beside_plain(curves, keys, extra=lambda r: []):
+    """A table's rows for every point of the series `keys`, beside the plain series of its path (packed
+    documents: one document; ALiBi: none) at the same n and mode: time and memory, and their ratios."""
+    return [[s, mode, r["n"], *extra(r), f"{float(r['ms']):.1f}", f"{float(r['peak_mib']):.1f}", _ratio(r, plain, "ms"),
+             _ratio(r, plain, "peak_mib")] for s, mode in keys for r in curves[(s, mode)]
+            for plain in [_at(curves, r["path"], mode, int(r["n"]))]]
 
 
 def _table(header, rows):
@@ -1207,12 +1223,12 @@ def noise_report(rows):
     if not any(spread(r) is not None for r in ok):
         return ["", "Spread of the repeats: not recorded in this CSV (written before study.py recorded it)."]
     twice = [r for r in ok if r.get("noise")]
-    noisy = [f"{r['series']} {r['mode']} n={r['n']} ({spread(r):.2f}x)" for r in twice if r["noise"].startswith("noisy")]
-    lines = ["", f"Spread: each point's slowest repeat over its fastest (time: their median). {len(twice)} of {len(ok)} "
-             f"points spread wider than {NOISY:g}x and were measured once more, keeping the run that spread less"]
-    lines[-1] += (f"; still wider after it, so their times and the ratios from them are noisy: {'; '.join(noisy)}."
-                  if noisy else "; none stayed wider.")
-    return lines
+    noisy = "; ".join(f"{r['series']} {r['mode']} n={r['n']} ({spread(r):.2f}x)" for r in twice
+                      if r["noise"].startswith("noisy"))
+    return ["", f"Spread: each point's slowest repeat over its fastest (time: their median). {len(twice)} of {len(ok)} "
+            f"points spread wider than {NOISY:g}x and were measured once more, keeping the run that spread less; "
+            + (f"still wider after it, so their times and the ratios from them are noisy: {noisy}." if noisy else
+               "none stayed wider.")]
 
 
 def _over_predicted(r):
@@ -1350,25 +1366,31 @@ def report(rows):
                   "flash: every pair, under an (n, n) mask). One document: the same path on one document of length "
                   "n, so the ratios show what the blocks documents hide save, not packing against padding (that is "
                   "the training's --pack).", ""]
-        table = []
-        for s, mode in packed:
-            for r in curves[(s, mode)]:
-                n, one = int(r["n"]), _at(curves, r["path"], mode, int(r["n"]))
-                offsets = packed_offsets(n, int(r["docs"]))
-                visible = sum(attention_pairs(b - a, r["causal"] == "True", int(r["window"]) if r["window"] else None)
-                              for a, b in zip(offsets, offsets[1:])) / n**2
-                table.append([s, mode, n, f"{visible:.3f}", f"{float(r['pairs']):.3f}", f"{float(r['ms']):.1f}",
-                              f"{float(r['peak_mib']):.1f}", _ratio(r, one, "ms"), _ratio(r, one, "peak_mib")])
+        def pairs(r):  # visible and computed
+            offsets = packed_offsets(int(r["n"]), int(r["docs"]))
+            window = int(r["window"]) if r["window"] else None
+            visible = sum(attention_pairs(b - a, r["causal"] == "True", window) for a, b in zip(offsets, offsets[1:]))
+            return [f"{visible / int(r['n']) ** 2:.3f}", f"{float(r['pairs']):.3f}"]
         lines += _table(["series", "mode", "n", "visible pairs", "computed pairs", "ms", "peak MiB",
-                         "time / one document", "memory / one document"], table)
+                         "time / one document", "memory / one document"], _beside_plain(curves, packed, pairs))
+    strategies = [key for key, rs in curves.items() if rs[0]["path"] in approx.STRATEGIES]
+    if strategies:
+        lines += ["", "## Approximate attention", "", "approximate_attention's strategies at the largest n each "
+                  "reached, beside exact attention; error: ||out - exact|| / ||exact|| on the point's random q, k, v "
+                  "and on those of a layer trained on the reversal task (strided: the keys its pattern hides).", ""]
+        lines += _table(["series", "mode", "largest n", "ms", "peak MiB", "error, random", "error, trained",
+                         "memory exponent", "time exponent"], [
+            [s, mode, r["n"], f"{float(r['ms']):.1f}", f"{float(r['peak_mib']):.1f}", e.get("error_random") or "-",
+             e.get("error_trained") or "-", _exp(fits[(s, mode)]["memory"]), _exp(fits[(s, mode)]["time"])]
+            for s, mode in strategies + [key for key in curves if key[0] in ("flash", "chunked")]
+            for r in [curves[(s, mode)][-1]] for e in [_at(curves, s, "fwd", int(r["n"])) or {}]])
     alibis = [key for key, rs in curves.items() if str(rs[0].get("alibi")) == "True"]
     if alibis:
-        lines += ["", "## ALiBi", "", "ALiBi's bias, -slope * |i - j| in every head (alibi_slopes): chunked makes it block by "
-                  "block, flash hands SDPA the whole (H, n, n) bias in float32. Beside the same path without it:", ""]
-        lines += _table(["series", "mode", "n", "ms", "peak MiB", "time / without", "memory / without"], [
-            [s, mode, r["n"], f"{float(r['ms']):.1f}", f"{float(r['peak_mib']):.1f}", _ratio(r, w, "ms"),
-             _ratio(r, w, "peak_mib")] for s, mode in alibis for r in curves[(s, mode)]
-            for w in [_at(curves, r["path"], mode, int(r["n"]))]])
+        lines += ["", "## ALiBi", "", "ALiBi's bias, -slope * |i - j| in every head (alibi_slopes): chunked makes it "
+                  "block by block, flash hands SDPA the whole (H, n, n) bias in float32. Beside the same path without "
+                  "it:", ""]
+        lines += _table(["series", "mode", "n", "ms", "peak MiB", "time / without", "memory / without"],
+                        _beside_plain(curves, alibis))
     return "\n".join(lines + model_report(rows, curves) + ["", "## Claims checked", ""] + claims(curves, fits))
 
 
@@ -1407,10 +1429,8 @@ def claims(curves, fits):
         if common:
             a, b = _at(curves, "naive", mode, common[-1]), _at(curves, "flash", mode, common[-1])
             x = float(a["ms"]) / float(b["ms"])
-            lo, hi = (x, x) if spread(a) is None or spread(b) is None else (
-                float(a["ms_min"]) / float(b["ms_max"]), float(a["ms_max"]) / float(b["ms_min"]))
-            verdict = ("within" if 2 <= lo and hi <= 4 else "above" if lo > 4 else "below" if hi < 2
-                       else "on the edge of")  # the range the repeats allow decides, not the median alone
+            lo, hi = _time_range(a, b) or (x, x)  # the range the repeats allow decides, not the median alone
+            verdict = "within" if 2 <= lo and hi <= 4 else "above" if lo > 4 else "below" if hi < 2 else "astride"
             lines.append(f"- \"The fused kernel is 2-4x faster than the standard implementation\" ({mode}, "
                          f"n={common[-1]}, kernel {b['kernel']}): measured {_ratio(a, b, 'ms')}, {verdict} the "
                          "claimed range.")
@@ -1565,6 +1585,7 @@ def points(args, device_label, dtype, lengths, series, batch, modes, **extra):
     """One dict per (n, series, mode) to measure or predict, n outermost: paths side by side."""
     return [{"device": device_label, "torch": torch.__version__, "dtype": dtype, "series": s.name, "path": s.path,
              "mode": mode, "causal": s.causal, "window": s.window, "docs": s.docs, "alibi": s.alibi, "H": args.heads,
+             "setting": s.setting,
              "D": args.head_dim, "n": n, "B": max(1, args.tokens // n) if args.tokens else batch, "world": s.world,
              "chunk_size": s.chunk_size or args.chunk_size, **extra}
             for n in lengths for s in series for mode in modes if s.max_n is None or n <= s.max_n]
@@ -1600,7 +1621,7 @@ def predict(args, device, lengths, series, batch, modes):
     for p in points(args, device.type, dtype, lengths, series, batch, modes):
         line = f"{p['series']:<17} {p['mode']:<7} n={p['n']:<6} B={p['B']:<3}"
         kernel = ""
-        if p["path"] not in ("naive", "chunked", "ring"):
+        if p["path"] in ("flash", *SDPA_SERIES):
             asked = ask and _asked_kernel(p)
             p = {**p, "kernel": asked} if asked else p
             name = sdpa_kernel(p)
@@ -1621,8 +1642,7 @@ def predict(args, device, lengths, series, batch, modes):
 
 
 def _asked_kernel(point):
-    """The kernel torch picks for a flash point on this GPU, asked on inputs of its shape (empty tensors: the
-    inputs alone, and the mask a window or documents make); None where they do not fit."""
+    """The kernel torch picks for a flash point on this GPU, asked on empty inputs of its shape (None: no room)."""
     p, dtype = point, getattr(torch, point["dtype"])
     try:
         q, k, v = (torch.empty(p["B"], p["H"], p["n"], p["D"], device="cuda", dtype=dtype) for _ in range(3))
@@ -1630,7 +1650,9 @@ def _asked_kernel(point):
             with torch.nn.attention.sdpa_kernel(mt._KERNELS[SDPA_SERIES[p["path"]]]):
                 return mt._chosen_kernel(q, k, v, None, 0.0, p["causal"], None)
         cu_seqlens = torch.tensor(packed_offsets(p["n"], p["docs"])) if p.get("docs") else None
-        return mt.sdpa_kernel_name(q, k, v, is_causal=p["causal"], window_size=p["window"], cu_seqlens=cu_seqlens)
+        alibi = mt.alibi_slopes(p["H"]).cuda() if str(p.get("alibi")) == "True" else None
+        return mt.sdpa_kernel_name(q, k, v, is_causal=p["causal"], window_size=p["window"], cu_seqlens=cu_seqlens,
+                                   alibi_slopes=alibi)
     except torch.cuda.OutOfMemoryError:
         return None
     except RuntimeError:  # no enabled kernel takes these inputs
@@ -1742,7 +1764,11 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
     try:
         ceiling = runner({"kind": "matmul", "device": info["device"], "dtype": dtype,
                           "N": 2048 if info["device"] == "cpu" else 8192, "seconds": 2.0})["tflops"]
+        trained = os.path.join(out, "reversal.pt") if any(s.path in approx.STRATEGIES for s in series) else None
+        if trained:  # the approximate series' error on a trained layer: one encoder, trained here on the CPU
+            mt.train(mt.TrainConfig(out=trained, heatmap=None, device="cpu"), log=lambda *a: None)
         todo = points(args, info["label"], dtype, lengths, series, batch, modes, matmul_tflops=f"{ceiling:.4f}",
+                      trained=trained,
                       mem_budget_gib=f"{budget_gib:.3f}", min_repeats=1 if args.quick else 3,
                       target_s=0.2 if args.quick else args.target_seconds)
         print(f"study: {title}; {len(todo)} points -> {csv_path}")

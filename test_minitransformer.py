@@ -69,6 +69,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import approximate_attention as approx
 import minitransformer as mt
 import ring_attention as ring
 import study
@@ -1291,6 +1292,154 @@ def test_chunked_alibi_saves_no_quadratic_tensor():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
         mt.chunked_attention(q, k, v, chunk_size=64, alibi_slopes=mt.alibi_slopes(2), is_causal=True)
     assert max(sizes) <= 2 * L * 16
+
+
+# ----------------------------------------------------------------------------- approximate attention
+# Oracles: SDPA's math kernel in float64 with the sparse pattern's dense mask, built here; the other strategies'
+# formulas written out densely in float64 here (a loop over windows for the convolution); forward and gradients.
+
+
+def strided_pattern(L, stride, causal):
+    """(L, L) bool: |i - j| < stride or (i - j) mod stride == 0, and j <= i if causal; by the test's own loop."""
+    keep = torch.zeros(L, L, dtype=torch.bool)
+    for i in range(L):
+        for j in range(L):
+            keep[i, j] = (abs(i - j) < stride or (i - j) % stride == 0) and (j <= i or not causal)
+    return keep
+
+
+@pytest.mark.parametrize("L,stride", [(1, 1), (37, 5), (64, 8), (50, 1), (20, 32), (97, 10)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_strided_attention_is_exact_under_its_pattern(L, stride, causal):
+    q, k, v = make_qkv(2, 3, L, L, 8, Dv=4)
+    dout = torch.randn(2, 3, L, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    want = grads_of(lambda q, k, v: reference(q, k, v, strided_pattern(L, stride, causal)), q, k, v, dout)
+    got = grads_of(lambda q, k, v: approx.strided_attention(q, k, v, stride, causal), q, k, v, dout)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-10, msg=name)
+
+
+def test_strided_attention_hides_padded_keys():
+    # a key-padding mask hides those keys in both parts: as the pattern's dense mask and the padding together
+    L, stride = 37, 6
+    q, k, v = make_qkv(2, 3, L, L, 8)
+    pad = mt.padding_mask(torch.tensor([L, 11]), L)
+    got = approx.strided_attention(q, k, v, stride, keys=pad)
+    torch.testing.assert_close(got, reference(q, k, v, strided_pattern(L, stride, False) & pad), atol=1e-10, rtol=1e-10)
+
+
+def test_strided_attention_holds_no_quadratic_tensor():
+    # what autograd keeps: at most L * (3s + L/s) scores per (batch, head), a tenth of L^2 here
+    L, s = 1024, 32
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 1, L, L, 16, dtype=torch.float32))
+    sizes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+        approx.strided_attention(q, k, v, s)
+    assert max(sizes) <= L * (3 * s + L // s) < L * L / 7
+
+
+@pytest.mark.parametrize("Lq,Lk,causal,chunk", [(37, 29, False, 64), (37, 37, True, 16), (97, 97, True, 32),
+                                                (5, 5, True, 64)])
+def test_linear_attention_is_its_formula(Lq, Lk, causal, chunk):
+    q, k, v = make_qkv(2, 3, Lq, Lk, 8, Dv=4)
+    dout = torch.randn(2, 3, Lq, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+    def formula(q, k, v):  # sum over keys j (<= i) of phi(q_i) . phi(k_j) v_j, over the same sum without v_j
+        weights = torch.einsum("bhid,bhjd->bhij", F.elu(q) + 1, F.elu(k) + 1)
+        if causal:
+            weights = weights * torch.ones(Lq, Lk, dtype=torch.float64).tril()
+        return torch.einsum("bhij,bhje->bhie", weights, v) / weights.sum(-1, keepdim=True)
+    want = grads_of(formula, q, k, v, dout)
+    got = grads_of(lambda q, k, v: approx.linear_attention(q, k, v, causal, chunk), q, k, v, dout)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-10, msg=name)
+
+
+def test_low_rank_attention_is_its_formula():
+    q, k, v = make_qkv(2, 3, 37, 29, 8, Dv=4)
+    E, F_ = (torch.randn(5, 29, generator=torch.Generator().manual_seed(i), dtype=torch.float64) for i in (1, 2))
+    dout = torch.randn(2, 3, 37, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+    def formula(q, k, v, E, F_):  # softmax_j(q_i . sum_m E_rm k_m / sqrt(D)) sum_m F_rm v_m
+        scores = torch.einsum("bhid,rm,bhmd->bhir", q, E, k) / math.sqrt(8)
+        return torch.einsum("bhir,rm,bhme->bhie", scores.softmax(-1), F_, v)
+    leaves = lambda *t: [x.clone().requires_grad_() for x in t]  # noqa: E731
+    a, b = leaves(q, k, v, E, F_), leaves(q, k, v, E, F_)
+    want, got = formula(*a), approx.low_rank_attention(*b)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    for x, y in zip(torch.autograd.grad(got, b, dout), torch.autograd.grad(want, a, dout)):
+        torch.testing.assert_close(x, y, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("Lk,ratio,padded", [(32, 4, False), (29, 4, False), (31, 3, True), (7, 8, False)])
+def test_memory_compressed_attention_is_its_formula(Lk, ratio, padded):
+    q, k, v = make_qkv(2, 3, 37, Lk, 8, Dv=4)
+    g = torch.Generator().manual_seed(1)
+    wk, wv = torch.randn(8, 8, ratio, generator=g, dtype=torch.float64), torch.randn(4, 4, ratio, generator=g, dtype=torch.float64)
+    lengths = torch.tensor([Lk, Lk // 2]) if padded else torch.tensor([Lk, Lk])
+    keys = mt.padding_mask(lengths, Lk)
+    dout = torch.randn(2, 3, 37, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+    def formula(q, k, v, wk, wv):  # window m: K'_m = sum_t W[:, :, t] k_{m*ratio + t}, zeros past the end
+        n = -(-Lk // ratio)
+        kc = torch.stack([sum(k[:, :, m * ratio + t] @ wk[:, :, t].T for t in range(ratio) if m * ratio + t < Lk)
+                          for m in range(n)], dim=2)
+        vc = torch.stack([sum(v[:, :, m * ratio + t] @ wv[:, :, t].T for t in range(ratio) if m * ratio + t < Lk)
+                          for m in range(n)], dim=2)
+        scores = q @ kc.transpose(-2, -1) / math.sqrt(8)  # a window of padding alone is masked
+        seen = torch.tensor([[m * ratio < int(length) for m in range(n)] for length in lengths])[:, None, None, :]
+        return scores.masked_fill(~seen, -math.inf).softmax(-1) @ vc
+    leaves = lambda *t: [x.clone().requires_grad_() for x in t]  # noqa: E731
+    a, b = leaves(q, k, v, wk, wv), leaves(q, k, v, wk, wv)
+    want, got = formula(*a), approx.memory_compressed_attention(*b, keys=keys if padded else None)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    for x, y in zip(torch.autograd.grad(got, b, dout), torch.autograd.grad(want, a, dout)):
+        torch.testing.assert_close(x, y, atol=1e-10, rtol=1e-10)
+
+
+STRATEGIES = {"strided": lambda: approx.StridedAttention(4), "linear": approx.LinearAttention,
+              "low_rank": lambda: approx.LowRankAttention(8, 64), "compressed": lambda: approx.CompressedAttention(16, 4)}
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_strategies_stand_in_for_attention_in_an_encoder(name):
+    # in every layer (use_in), trained end to end: gradients reach the strategy's own parameters; a padded token
+    # changes no real position's output
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = approx.use_in(mt.Encoder(mt.EncoderConfig(**TINY)), STRATEGIES[name]).double()
+    idx = torch.randint(1, 16, (2, 21))
+    keep = mt.padding_mask(torch.tensor([21, 9]), 21)
+    out = model(idx, attn_mask=keep)
+    out.sum().backward()
+    own = [p for layer in model.layers for p in layer.self_attn.impl.parameters()]
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in own) and (own or name in ("strided", "linear"))
+    idx2 = idx.clone()
+    idx2[1, 15] = (idx2[1, 15] + 1) % 16
+    torch.testing.assert_close(model(idx2, attn_mask=keep)[1, :9], out[1, :9], atol=1e-12, rtol=0)
+
+
+def test_strategies_refuse_what_they_do_not_do():
+    q, k, v = make_qkv(1, 2, 8, 8, 16)
+    with pytest.raises(ValueError, match="stride must be a positive int, got 0"):
+        approx.strided_attention(q, k, v, 0)
+    with pytest.raises(ValueError, match="self-attention: Lq must equal Lk, got 8 and 5"):
+        approx.strided_attention(q, k[:, :, :5], v[:, :, :5], 2)
+    with pytest.raises(ValueError, match=r"E and F must both be \(r, Lk\) = \(r, 8\).* got \(4, 7\)"):
+        approx.low_rank_attention(q, k, v, torch.ones(4, 7, dtype=torch.float64), torch.ones(4, 7, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"weight_k must be \(D, D, ratio\) = \(16, 16, 2\), got \(8, 16, 2\)"):
+        approx.memory_compressed_attention(q, k, v, torch.ones(8, 16, 2), torch.ones(16, 16, 2))
+    with pytest.raises(ValueError, match="ratio must be a positive int"):
+        approx.CompressedAttention(16, 0)
+    with pytest.raises(ValueError, match="projects at most max_len=4 keys, got 8"):
+        approx.LowRankAttention(2, 4)(q, k, v)
+    with pytest.raises(ValueError, match="LowRankAttention takes q, k, v, a key-padding attn_mask, got is_causal=True"):
+        approx.LowRankAttention(2, 8)(q, k, v, is_causal=True)
+    with pytest.raises(ValueError, match="alibi_slopes="):
+        approx.LinearAttention()(q, k, v, alibi_slopes=mt.alibi_slopes(2))
+    with pytest.raises(ValueError, match=r"key-padding attn_mask only, bool \(B, 1, 1, Lk\), got torch.bool \(8, 8\)"):
+        approx.LinearAttention()(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool))
 
 
 # ----------------------------------------------------------------------------- modules

@@ -1,0 +1,268 @@
+"""
+approximate_attention: the other ways out of attention's O(n^2) memory that the tutorials list, each
+under its equation and its paper, beside exact attention (minitransformer.py):
+
+- strided_attention: Child et al. 2019, "Generating Long Sequences with Sparse Transformers",
+  https://arxiv.org/abs/1904.10509 (the fixed pattern): exact attention over a local band and every
+  stride-th key;
+- linear_attention: Katharopoulos et al. 2020, "Transformers are RNNs", https://arxiv.org/abs/2006.16236:
+  a kernel's feature map in place of the softmax;
+- low_rank_attention: Wang et al. 2020, "Linformer", https://arxiv.org/abs/2006.04768: keys and values
+  projected along the sequence to r positions;
+- memory_compressed_attention: Liu et al. 2018, "Generating Wikipedia by Summarizing Long Sequences",
+  https://arxiv.org/abs/1801.10198: keys and values compressed along the sequence by a strided
+  convolution.
+
+q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv), as the module's paths; the scale is
+1/sqrt(D). Only strided_attention is exact, under its pattern; the others compute another function, and
+study.py measures how far from exact attention it lies, beside its memory and time. The modules own the
+learned parts and stand in for an attention function (MultiHeadAttention's impl=, or use_in(encoder)).
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import minitransformer as mt
+
+
+def strided_attention(q, k, v, stride, is_causal=False, keys=None):
+    """Exact attention under the Sparse Transformer's fixed pattern: query i sees key j when |i - j| < stride
+    (a local band) or (i - j) mod stride == 0 (the strided columns); with is_causal only j <= i. Self-attention;
+    keys: a key-padding mask (B, 1, 1, L), True where a key exists. A query that sees no key gets 0.
+
+    With s = stride and the sequence cut into n = L/s blocks of s positions, neither part needs the L x L scores:
+        local:   block b's queries against the keys of blocks b-1, b, b+1 (3s keys, masked to |i - j| < s);
+        strided: q and k regrouped by residue i mod s, (s, n): each residue's n queries against its n keys;
+        out_i = softmax over both parts at once (j = i counted in the local one) of S_ij, times V_j.
+    So B * H * L * (3s + L/s) scores, not B * H * L^2.
+    """
+    B, H, L, D = q.shape
+    if not (isinstance(stride, int) and stride >= 1):
+        raise ValueError(f"stride must be a positive int, got {stride!r}")
+    if k.size(-2) != L:
+        raise ValueError(f"strided attention is self-attention: Lq must equal Lk, got {L} and {k.size(-2)}")
+    s, n = stride, -(-L // stride)
+    q, k, v = (F.pad(t, (0, 0, 0, n * s - L)) for t in (q, k, v))  # (B, H, n*s, D): the last block padded
+    u = torch.arange(3 * s, device=q.device)  # key u of a query's window: j = (b - 1) s + u, and i = b s + t
+    t = torch.arange(s, device=q.device)[:, None]
+    c = torch.arange(n, device=q.device)
+    j = torch.arange(-s, (n + 1) * s, device=q.device)  # every key position of the windows, padding included
+    real = (j >= 0) & (j < L)
+    window = lambda x: F.pad(x, (0, 0, s, s)).unfold(2, 3 * s, s)  # (B, H, n, D, 3s): blocks b-1, b, b+1  # noqa: E731
+    local = q.view(B, H, n, s, D) @ window(k) / math.sqrt(D)  # (B, H, n, s, 3s)
+    keep = ((s + t - u).abs() < s) & (u <= s + t if is_causal else True)  # (s, 3s): i - j = s + t - u
+    local = local.masked_fill(~(keep & real.unfold(0, 3 * s, s)[:, None, :]), float("-inf"))  # (n, s, 3s)
+    by_residue = lambda x: x.view(B, H, n, s, x.size(-1)).transpose(2, 3)  # (B, H, s, n, D): i = a s + r  # noqa: E731
+    strided = by_residue(q) @ by_residue(k).transpose(-2, -1) / math.sqrt(D)  # (B, H, s, n, n): i - j = (a - c) s
+    keep = (c[:, None] != c) & (c <= c[:, None] if is_causal else True)  # (n, n), j = i left to the local part
+    strided = strided.masked_fill(~(keep & (c * s + t[:, :, None] < L)), float("-inf"))  # (s, n, n)
+    if keys is not None:  # padded keys hidden in both parts: (B, 1, n, 1, 3s) and (B, 1, s, 1, n)
+        keys = F.pad(keys.reshape(B, 1, L), (0, n * s - L))  # (B, 1, n*s)
+        local = local.masked_fill(~F.pad(keys, (s, s)).unfold(-1, 3 * s, s)[:, :, :, None], float("-inf"))
+        strided = strided.masked_fill(~keys.view(B, 1, n, s).transpose(-2, -1)[:, :, :, None], float("-inf"))
+    scores = torch.cat([local.flatten(2, 3), strided.permute(0, 1, 3, 2, 4).flatten(2, 3)], dim=-1)  # (B, H, n*s, 3s+n)
+    p = torch.softmax(scores, dim=-1).masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)  # not NaN
+    p_local, p_strided = p[..., :3 * s].view(B, H, n, s, 3 * s), p[..., 3 * s:].view(B, H, n, s, n)
+    out = p_local @ window(v).transpose(-2, -1)  # (B, H, n, s, Dv)
+    out = out + (p_strided.transpose(2, 3) @ by_residue(v)).transpose(2, 3)  # (B, H, n, s, Dv)
+    return out.flatten(2, 3)[:, :, :L]  # (B, H, L, Dv)
+
+
+def linear_attention(q, k, v, is_causal=False, chunk=64):
+    """Katharopoulos et al.: the softmax's exp(q_i . k_j) replaced by phi(q_i) . phi(k_j), phi(x) = elu(x) + 1, so
+    that the sums over keys come out of the product, computed once for every query:
+
+        out_i = phi(q_i)^T (sum_j phi(k_j) v_j^T) / (phi(q_i)^T sum_j phi(k_j))
+
+    per head a (D, Dv) sum instead of L x L scores. With is_causal the sums run over j <= i: per block of `chunk`
+    positions, the sums of the blocks before it (prefix sums, (L/chunk, D, Dv)) and, inside it, the (chunk, chunk)
+    products with their causal mask: memory linear in L.
+    """
+    fq, fk = F.elu(q) + 1, F.elu(k) + 1  # (B, H, L, D), positive: the normaliser never vanishes
+    if not is_causal:
+        kv, z = fk.transpose(-2, -1) @ v, fk.sum(-2, keepdim=True)  # (B, H, D, Dv), (B, H, 1, D)
+        return (fq @ kv) / (fq * z).sum(-1, keepdim=True)
+    B, H, L, D = q.shape
+    if k.size(-2) != L:
+        raise ValueError(f"causal linear attention is self-attention: Lq must equal Lk, got {L} and {k.size(-2)}")
+    n = -(-L // chunk)
+    pad = lambda t, value=0.0: F.pad(t, (0, 0, 0, n * chunk - L), value=value).unflatten(2, (n, chunk))  # noqa: E731
+    fq, fk, v = pad(fq, 1.0), pad(fk), pad(v)  # (B, H, n, c, D): padded queries see the keys before them, never 0/0
+    before = lambda x: F.pad(x.cumsum(2)[:, :, :-1], (0, 0) * (x.dim() - 3) + (1, 0))  # noqa: E731 (blocks before)
+    kv, z = before(fk.transpose(-2, -1) @ v), before(fk.sum(-2))  # (B, H, n, D, Dv), (B, H, n, D)
+    inside = (fq @ fk.transpose(-2, -1)).tril()  # (B, H, n, c, c): keys j <= i of the query's own block
+    num = fq @ kv + inside @ v  # (B, H, n, c, Dv)
+    den = (fq * z[:, :, :, None]).sum(-1) + inside.sum(-1)  # (B, H, n, c)
+    return (num / den[..., None]).flatten(2, 3)[:, :, :L]
+
+
+def low_rank_attention(q, k, v, E, F_):
+    """Linformer: keys and values projected along the sequence by E and F (r, Lk), r << Lk:
+
+        softmax(Q (E K)^T / sqrt(D)) (F V)          (Lq, r) scores instead of (Lq, Lk)
+    """
+    Lk = k.size(-2)
+    if E.dim() != 2 or E.shape != F_.shape or E.size(-1) != Lk:
+        raise ValueError(f"E and F must both be (r, Lk) = (r, {Lk}): they project the {Lk} keys, got "
+                         f"{tuple(E.shape)} and {tuple(F_.shape)}")
+    k, v = E @ k, F_ @ v  # (B, H, r, D), (B, H, r, Dv)
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)), dim=-1) @ v
+
+
+def memory_compressed_attention(q, k, v, weight_k, weight_v, keys=None):
+    """Liu et al.: keys and values compressed along the sequence by a strided convolution, kernel size =
+    stride = ratio (weights (D, D, ratio) and (Dv, Dv, ratio)), then standard attention over the compressed
+    ceil(Lk / ratio) positions (the last window padded with zeros):
+
+        K' = conv1d(K, W_k, stride=ratio),   V' = conv1d(V, W_v, stride=ratio),   softmax(Q K'^T / sqrt(D)) V'
+
+    keys: a key-padding mask (B, 1, 1, Lk), True where a key exists: a compressed position whose window holds
+    no key is masked (its K' would be 0, and still be attended).
+    """
+    B, H, Lk, D = k.shape
+    ratio = weight_k.size(-1)
+    for name, w, d in (("weight_k", weight_k, D), ("weight_v", weight_v, v.size(-1))):
+        if w.dim() != 3 or w.shape != (d, d, ratio):
+            raise ValueError(f"{name} must be (D, D, ratio) = ({d}, {d}, {ratio}), got {tuple(w.shape)}")
+
+    def compress(x, w):  # (B, H, Lk, d) -> (B, H, ceil(Lk / ratio), d)
+        x = F.pad(x.flatten(0, 1).transpose(1, 2), (0, -Lk % ratio))  # (B*H, d, Lk padded)
+        return F.conv1d(x, w, stride=ratio).transpose(1, 2).unflatten(0, (B, H))
+    k, v = compress(k, weight_k), compress(v, weight_v)
+    s = q @ k.transpose(-2, -1) / math.sqrt(D)  # (B, H, Lq, ceil(Lk / ratio))
+    if keys is not None:  # a window with a key in it
+        s = s.masked_fill(~F.pad(keys, (0, -Lk % ratio)).unflatten(-1, (-1, ratio)).any(-1), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+# -----------------------------------------------------------------------------
+# Modules: an attention function for MultiHeadAttention (impl=), owning what a strategy learns. They take a
+# key-padding mask (B, 1, 1, Lk), True where a key exists, and refuse the rest of SDPA's arguments.
+
+
+class _Approximate(nn.Module):
+    """The plumbing every strategy shares: the arguments it refuses, and the padding it takes."""
+
+    takes_causal = False
+
+    def forward(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, window_size=None,
+                cu_seqlens=None, alibi_slopes=None):
+        refused = {"dropout_p": dropout_p or None, "scale": scale, "window_size": window_size,
+                   "cu_seqlens": cu_seqlens, "alibi_slopes": alibi_slopes,
+                   "is_causal": is_causal if is_causal and not self.takes_causal else None}
+        if any(x is not None for x in refused.values()):
+            raise ValueError(f"{type(self).__name__} takes q, k, v, a key-padding attn_mask" +
+                             (" and is_causal" if self.takes_causal else "") + ", got " +
+                             ", ".join(f"{name}={x!r}" for name, x in refused.items() if x is not None))
+        keys = None
+        if attn_mask is not None:
+            if attn_mask.dtype != torch.bool or attn_mask.dim() != 4 or attn_mask.shape[1:3] != (1, 1):
+                raise ValueError(f"{type(self).__name__} takes a key-padding attn_mask only, bool (B, 1, 1, Lk), "
+                                 f"got {attn_mask.dtype} {tuple(attn_mask.shape)}")
+            keys = attn_mask[:, :, 0, :, None]  # (B, 1, Lk, 1)
+        return self.attend(q, k, v, keys, is_causal)
+
+
+class StridedAttention(_Approximate):
+    """strided_attention with a stride (nothing learned); padded keys are hidden."""
+
+    takes_causal = True
+
+    def __init__(self, stride):
+        super().__init__()
+        self.stride = stride
+
+    def attend(self, q, k, v, keys, is_causal):
+        return strided_attention(q, k, v, self.stride, is_causal, None if keys is None else keys.transpose(-2, -1))
+
+
+class LinearAttention(_Approximate):
+    """linear_attention (nothing learned); a padded key is left out of the sums."""
+
+    takes_causal = True
+
+    def attend(self, q, k, v, keys, is_causal):
+        if keys is not None:  # phi(k_j) = 0 and v_j = 0: out of both sums
+            k, v = k.masked_fill(~keys, -math.inf), v.masked_fill(~keys, 0.0)  # elu(-inf) + 1 = 0
+        return linear_attention(q, k, v, is_causal)
+
+
+class LowRankAttention(_Approximate):
+    """low_rank_attention with learned E and F (rank, max_len), N(0, 1/rank) as the Johnson-Lindenstrauss
+    projections the paper starts from; a sequence of Lk <= max_len tokens takes their first Lk columns, and
+    padded keys and values are zeroed before they are projected."""
+
+    def __init__(self, rank, max_len):
+        super().__init__()
+        self.E, self.F = (nn.Parameter(torch.randn(rank, max_len) / math.sqrt(rank)) for _ in range(2))
+
+    def attend(self, q, k, v, keys, is_causal):
+        Lk = k.size(-2)
+        if Lk > self.E.size(1):
+            raise ValueError(f"LowRankAttention projects at most max_len={self.E.size(1)} keys, got {Lk}")
+        if keys is not None:
+            k, v = k.masked_fill(~keys, 0.0), v.masked_fill(~keys, 0.0)
+        return low_rank_attention(q, k, v, self.E[:, :Lk].to(q.dtype), self.F[:, :Lk].to(q.dtype))
+
+
+class CompressedAttention(_Approximate):
+    """memory_compressed_attention with learned convolutions, (head_dim, head_dim, ratio) for keys and for
+    values, started as averages of `ratio` neighbours; padded keys and values are zeroed before, and a
+    compressed position of padding alone is masked."""
+
+    def __init__(self, head_dim, ratio):
+        super().__init__()
+        if ratio < 1:
+            raise ValueError(f"ratio must be a positive int, got {ratio}")
+        mean = torch.eye(head_dim)[:, :, None].expand(head_dim, head_dim, ratio) / ratio
+        self.weight_k, self.weight_v = (nn.Parameter(mean.clone()) for _ in range(2))
+
+    def attend(self, q, k, v, keys, is_causal):
+        if keys is not None:
+            k, v = k.masked_fill(~keys, 0.0), v.masked_fill(~keys, 0.0)
+        return memory_compressed_attention(q, k, v, self.weight_k.to(q.dtype), self.weight_v.to(q.dtype),
+                                           None if keys is None else keys.transpose(-2, -1))
+
+
+def use_in(encoder, make):
+    """encoder (minitransformer's Encoder), every layer's attention replaced by its own module make():
+    e.g. use_in(Encoder(config), lambda: LowRankAttention(64, config.max_len))."""
+    for layer in encoder.layers:
+        layer.self_attn.impl = make()
+    return encoder
+
+
+def error_of(strategy, q, k, v, is_causal=False):
+    """||strategy(q, k, v) - attention(q, k, v)|| / ||attention(q, k, v)||: how far a strategy lies from exact
+    attention on these inputs (exact: minitransformer's chunked path, in the inputs' dtype)."""
+    with torch.no_grad():
+        exact = mt.chunked_attention(q, k, v, is_causal=is_causal)
+        return ((strategy(q, k, v, is_causal=is_causal) - exact).norm() / exact.norm()).item()
+
+
+def trained_inputs(checkpoint, n, device):
+    """q, k, v (1, H, n, D) of the last layer of a trained TokenClassifier (a minitransformer checkpoint, its
+    sinusoidal table recomputed for n positions), on n random tokens: what a strategy meets in a model."""
+    state = mt.load_checkpoint(checkpoint)
+    model = mt.TokenClassifier(mt.EncoderConfig(**{**state["model_config"], "max_len": n}))
+    model.load_state_dict(state["model"])
+    attn, seen = model.encoder.layers[-1].self_attn, []
+    attn.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    with torch.no_grad():
+        model(torch.randint(1, model.encoder.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0)))
+        qkv = attn.qkv(seen[0]).chunk(3, dim=-1)  # (1, n, C) each
+    return [t.unflatten(-1, (attn.n_heads, -1)).transpose(1, 2).to(device) for t in qkv]  # (1, H, n, D)
+
+
+# The scores each strategy computes for n queries (linear attention: none), the pairs of its cost
+SCORES = {"strided": lambda n, s: n * (3 * s + -(-n // s)), "linear": lambda n, setting: 0,
+          "lowrank": lambda n, r: n * r, "compressed": lambda n, ratio: n * -(-n // ratio)}
+# The strategies by name, each built for sequences of up to max_len tokens and heads of head_dim, with its
+# setting (stride, rank or ratio): what study.py measures and results/train/approximate.py trains.
+STRATEGIES = {"strided": lambda setting, max_len, head_dim: StridedAttention(setting),
+              "linear": lambda setting, max_len, head_dim: LinearAttention(),
+              "lowrank": lambda setting, max_len, head_dim: LowRankAttention(setting, max_len),
+              "compressed": lambda setting, max_len, head_dim: CompressedAttention(head_dim, setting)}
