@@ -244,7 +244,7 @@ def documents(cu_seqlens, L, device=None):
 
 
 def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, doc_ids=None, offsets=None,
-               alibi_slopes=None, device=None):
+               alibi_slopes=None, scores=None, device=None):
     """The mask of scores[..., rows, cols] (rows, cols: slices of query and key positions).
 
     Returns a bool mask (True = keep), a float mask (added to the scores), or None (keep
@@ -253,7 +253,9 @@ def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, doc_
     or a document boundary. doc_ids: the (L,) document of every position (documents()); offsets:
     cu_seqlens as a list, where the host knows it, to tell the blocks inside one document, which
     need no document mask. alibi_slopes (B or 1, H, 1, 1): ALiBi's bias, -slope * |i - j|, is added,
-    in the slopes' dtype (its distances within a document are those inside it).
+    in the slopes' dtype (its distances within a document are those inside it); where the block's
+    scores (B, H, rows, cols) are given, it is added to them in place, as FlashAttention adds it in
+    registers, and makes no block of its own.
     """
     q0, q1, k0, k1 = rows.start, rows.stop, cols.start, cols.stop
     causal = is_causal and k1 - 1 > q0  # some key lies after some query
@@ -273,8 +275,12 @@ def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, doc_
             keep = near if keep is None else keep & near
     if alibi_slopes is not None:  # the bias, with what keep and the attn_mask hide at -inf
         i, j = (torch.arange(a, b, device=device, dtype=alibi_slopes.dtype) for a, b in ((q0, q1), (k0, k1)))
-        bias = alibi_slopes * -(j - i[:, None]).abs_()  # (B or 1, H, rows, cols)
-        keep = bias if keep is None else bias.masked_fill_(~keep, float("-inf"))
+        distance = (j - i[:, None]).abs_()  # (rows, cols)
+        if scores is not None:
+            scores.addcmul_(alibi_slopes, distance, value=-1)  # no (B or 1, H, rows, cols) product made
+        else:
+            bias = alibi_slopes * distance.neg_()  # (B or 1, H, rows, cols)
+            keep = bias if keep is None else bias.masked_fill_(~keep, float("-inf"))
     if attn_mask is None:
         return keep
     m = attn_mask  # sliced only where it does not broadcast and the block is not all of it
@@ -528,7 +534,7 @@ class BlockOptions:
     col_hash: Optional[torch.Tensor]  # and of the key columns j, (Lk,)
     doc_ids: Optional[torch.Tensor] = None  # packed rows: the document of every position, (L,) (documents())
     offsets: Optional[list] = None  # and their cu_seqlens, read on the host (a CPU tensor: no sync)
-    alibi_slopes: Optional[torch.Tensor] = None  # (B or 1, H, 1, 1); in base 2 unless the attn_mask is float
+    alibi_slopes: Optional[torch.Tensor] = None  # (B or 1, H, 1, 1), in base 2
 
 
 def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens=None,
@@ -537,9 +543,8 @@ def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_siz
     opts = BlockOptions(scale, is_causal, window_size, ck, attn_mask, dropout_p, *hashes)
     if cu_seqlens is not None:
         opts.doc_ids, opts.offsets = documents(cu_seqlens, q.size(-2), q.device)[0], cu_seqlens.tolist()
-    if alibi_slopes is not None:  # a float mask joins the bias before both go to base 2 (_scores); else now
-        float_mask = attn_mask is not None and attn_mask.is_floating_point()
-        opts.alibi_slopes = alibi_slopes if float_mask else alibi_slopes * LOG2E
+    if alibi_slopes is not None:
+        opts.alibi_slopes = alibi_slopes * LOG2E  # added to the scores in base 2 (_scores)
     return opts
 
 
@@ -644,11 +649,11 @@ def _matmul(a, b, alpha=1.0):
 
 
 def _scores(q, k, rows, cols, opts):
-    """S_j of one block in base 2, masked, (B, H, rows, cols), float32 (float64 for float64): the backward
-    recomputes it. A float mask's block goes to base 2 here, in that dtype, clamped to its finite range."""
+    """S_j of one block in base 2, masked (ALiBi's bias added in place), (B, H, rows, cols), float32 (float64
+    for float64): the backward recomputes it. A float mask's block goes to base 2 here, in that dtype, clamped to its finite range."""
     s = _matmul(q[:, :, rows], k[:, :, cols].transpose(-2, -1), alpha=opts.scale * LOG2E)
     mask = mask_block(opts.mask, rows, cols, is_causal=opts.is_causal, window_size=opts.window_size,
-                      doc_ids=opts.doc_ids, offsets=opts.offsets, alibi_slopes=opts.alibi_slopes,
+                      doc_ids=opts.doc_ids, offsets=opts.offsets, alibi_slopes=opts.alibi_slopes, scores=s,
                       device=q.device)
     if opts.mask is not None and opts.mask.is_floating_point():
         mask = _finite_bias(mask, s.dtype, LOG2E)

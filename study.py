@@ -164,8 +164,8 @@ def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies, alibi=0)
     blocks rounded to their dtype (P_j and dS_j, for the products), which a CPU multiplies as float32
     copies (`copies`: _matmul), beside float32 copies of the operands (rows of q or dout, key blocks of
     k or v) and the products. Each phase: (float32 blocks, 16-bit blocks, bytes of copies and products).
-    alibi: the heads of ALiBi's slopes, whose bias block (alibi, cq, ck) and distances (cq, ck) are made
-    beside S_j, after the copies its product took.
+    alibi: ALiBi's bias, added to S_j in place from the distances (cq, ck), made beside it after the
+    copies its product took.
     """
     acc = max(itemsize, 4)
     block, low = B * H * cq * ck * acc, B * H * cq * ck * itemsize * (itemsize < 4)
@@ -186,10 +186,10 @@ def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies, alibi=0)
         phases = [(2, 1, max(cols * Dv, rows * D, cols * D))]  # a product beside P_j and dP_j
     if alibi:  # S_j beside P_{j-1} (and dP_{j-1}, backward)
         bwd = mode != "fwd"
-        phases.append((1 + several * (1 + bwd), several * bwd, (alibi + 1) * cq * ck * acc))
+        phases.append((1 + several * (1 + bwd), several * bwd, cq * ck * acc))
     blocks, lows, extra = max(phases, key=lambda ph: ph[0] * block + ph[1] * low + ph[2])
     terms = {f"{blocks} blocks of scores (B, H, cq, ck) float32": blocks * block,
-             "products (and float32 copies of 16-bit operands), ALiBi's block": extra}
+             "products (and float32 copies of 16-bit operands), ALiBi's distances": extra}
     if low:
         terms[f"{lows} blocks in the inputs' dtype"] = lows * low
     return terms
@@ -202,7 +202,7 @@ def chunked_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, cq, ck, docs=False, copi
     out, dQ, dK, dV accumulated in float32, m and log2(l) with the zero gradients autograd gives them;
     16-bit inputs end with dQ, dK, dV in float32 and rounded to their dtype at once. Documents add
     their ids and positions (documents()). copies: 16-bit products through float32 copies (CPU). alibi:
-    ALiBi's heads, its bias made block by block (_block_memory).
+    ALiBi's bias, added block by block (_block_memory).
     """
     acc, cq, ck = max(itemsize, 4), min(cq, Lq), min(ck, Lk)
     stats = B * H * Lq * acc
