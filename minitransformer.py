@@ -252,10 +252,9 @@ def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, doc_
     built from positions, and only for a block that straddles the diagonal, the window's edge
     or a document boundary. doc_ids: the (L,) document of every position (documents()); offsets:
     cu_seqlens as a list, where the host knows it, to tell the blocks inside one document, which
-    need no document mask. alibi_slopes (B or 1, H, 1, 1): ALiBi's bias, -slope * |i - j|, is added,
-    in the slopes' dtype (its distances within a document are those inside it); where the block's
-    scores (B, H, rows, cols) are given, it is added to them in place, as FlashAttention adds it in
-    registers, and makes no block of its own.
+    need no document mask. alibi_slopes (B or 1, H, 1, 1): ALiBi's bias, -slope * |i - j| in the slopes'
+    dtype (the same within a document), joins the mask; or, given the block's scores (B, H, rows, cols), is
+    added to them in place, as FlashAttention adds it in registers, with no block of its own.
     """
     q0, q1, k0, k1 = rows.start, rows.stop, cols.start, cols.stop
     causal = is_causal and k1 - 1 > q0  # some key lies after some query
@@ -361,9 +360,8 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     """Attention(Q, K, V) = softmax(Q K^T * scale + M) V,  scale = 1/sqrt(D) by default.
 
     Returns out (B, H, Lq, Dv) and the weights (B, H, Lq, Lk) it used, after dropout, so
-    that out == weights @ v. Standard attention as it is written: computed in the inputs'
-    dtype (softmax accumulates in float32 inside), a float mask (and ALiBi's, built whole) added in
-    float32 or wider.
+    that out == weights @ v. Standard attention as it is written: computed in the inputs' dtype (softmax
+    accumulates in float32 inside), a float mask (and ALiBi's bias, built whole) added in float32 or wider.
     """
     q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
     Lq, Lk = q.size(-2), k.size(-2)
@@ -543,8 +541,7 @@ def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_siz
     opts = BlockOptions(scale, is_causal, window_size, ck, attn_mask, dropout_p, *hashes)
     if cu_seqlens is not None:
         opts.doc_ids, opts.offsets = documents(cu_seqlens, q.size(-2), q.device)[0], cu_seqlens.tolist()
-    if alibi_slopes is not None:
-        opts.alibi_slopes = alibi_slopes * LOG2E  # added to the scores in base 2 (_scores)
+    opts.alibi_slopes = None if alibi_slopes is None else alibi_slopes * LOG2E  # in base 2, as the scores
     return opts
 
 
@@ -649,8 +646,8 @@ def _matmul(a, b, alpha=1.0):
 
 
 def _scores(q, k, rows, cols, opts):
-    """S_j of one block in base 2, masked (ALiBi's bias added in place), (B, H, rows, cols), float32 (float64
-    for float64): the backward recomputes it. A float mask's block goes to base 2 here, in that dtype, clamped to its finite range."""
+    """S_j of one block, (B, H, rows, cols), in base 2 with ALiBi's bias and the mask, float32 (float64 for
+    float64); the backward recomputes it. A float mask goes to base 2 here, clamped to its finite range."""
     s = _matmul(q[:, :, rows], k[:, :, cols].transpose(-2, -1), alpha=opts.scale * LOG2E)
     mask = mask_block(opts.mask, rows, cols, is_causal=opts.is_causal, window_size=opts.window_size,
                       doc_ids=opts.doc_ids, offsets=opts.offsets, alibi_slopes=opts.alibi_slopes, scores=s,
@@ -1188,8 +1185,7 @@ class Encoder(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):  # tokens (times sqrt(d_model)) and learned positions: unit
-            # scale, as the sinusoidal table's; at GPT-2's 0.02 (its tokens unscaled) positions would drown
+        elif isinstance(module, nn.Embedding):  # unit scale: tokens (times sqrt(d_model)) and positions alike
             nn.init.normal_(module.weight, std=module.embedding_dim ** -0.5 if module is self.embed else 1.0)
 
     def num_params(self):
@@ -1751,8 +1747,7 @@ def _check_alibi(slopes, q):
         return None
     B, H = q.shape[:2]
     if not torch.is_tensor(slopes) or slopes.dtype != torch.float32:
-        got = getattr(slopes, "dtype", type(slopes))
-        raise TypeError(f"alibi_slopes must be a float32 tensor, got {got}")
+        raise TypeError(f"alibi_slopes must be a float32 tensor, got {getattr(slopes, 'dtype', slopes)}")
     if tuple(slopes.shape) not in ((H,), (B, H)) or slopes.device != q.device or slopes.requires_grad:
         raise ValueError(f"alibi_slopes must be constants of shape ({H},) or ({B}, {H}) on {q.device}, got "
                          f"shape {tuple(slopes.shape)} on {slopes.device}"

@@ -1250,7 +1250,7 @@ def test_bad_alibi_slopes_are_refused_by_name():
     bad = [(torch.ones(3), ValueError, r"shape \(4,\) or \(2, 4\) on cpu, got shape \(3,\)"),
            (torch.ones(2, 4, 1), ValueError, r"got shape \(2, 4, 1\)"),
            (torch.ones(4, dtype=torch.float64), TypeError, "must be a float32 tensor, got torch.float64"),
-           ([0.5] * 4, TypeError, "must be a float32 tensor, got <class 'list'>"),
+           ([0.5] * 4, TypeError, r"must be a float32 tensor, got \[0.5, 0.5, 0.5, 0.5\]"),
            (torch.tensor([0.5, -0.25, 0.1, 0.1]), ValueError, r"alibi_slopes must lie in \[0, inf\), got min -0.25"),
            (torch.ones(4, requires_grad=True), ValueError, "constants .* that requires grad"),
            (torch.ones(4, device="meta"), ValueError, "on cpu, got shape \\(4,\\) on meta")]
