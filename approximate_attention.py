@@ -45,26 +45,28 @@ def strided_attention(q, k, v, stride, is_causal=False, keys=None):
     if k.size(-2) != L:
         raise ValueError(f"strided attention is self-attention: Lq must equal Lk, got {L} and {k.size(-2)}")
     s, n = stride, -(-L // stride)
-    q, k, v = (F.pad(t, (0, 0, 0, n * s - L)) for t in (q, k, v))  # (B, H, n*s, D): the last block padded
+    q, k, v = (F.pad(t, (0, 0, 0, n * s - L)) for t in (q / math.sqrt(D), k, v))  # (B, H, n*s, D), last block padded
     u = torch.arange(3 * s, device=q.device)  # key u of a query's window: j = (b - 1) s + u, and i = b s + t
     t = torch.arange(s, device=q.device)[:, None]
     c = torch.arange(n, device=q.device)
     j = torch.arange(-s, (n + 1) * s, device=q.device)  # every key position of the windows, padding included
     real = (j >= 0) & (j < L)
     window = lambda x: F.pad(x, (0, 0, s, s)).unfold(2, 3 * s, s)  # (B, H, n, D, 3s): blocks b-1, b, b+1  # noqa: E731
-    local = q.view(B, H, n, s, D) @ window(k) / math.sqrt(D)  # (B, H, n, s, 3s)
+    local = q.view(B, H, n, s, D) @ window(k)  # (B, H, n, s, 3s)
     keep = ((s + t - u).abs() < s) & (u <= s + t if is_causal else True)  # (s, 3s): i - j = s + t - u
-    local = local.masked_fill(~(keep & real.unfold(0, 3 * s, s)[:, None, :]), float("-inf"))  # (n, s, 3s)
+    local.masked_fill_(~(keep & real.unfold(0, 3 * s, s)[:, None, :]), float("-inf"))  # (n, s, 3s)
     by_residue = lambda x: x.view(B, H, n, s, x.size(-1)).transpose(2, 3)  # (B, H, s, n, D): i = a s + r  # noqa: E731
-    strided = by_residue(q) @ by_residue(k).transpose(-2, -1) / math.sqrt(D)  # (B, H, s, n, n): i - j = (a - c) s
+    strided = by_residue(q) @ by_residue(k).transpose(-2, -1)  # (B, H, s, n, n): i - j = (a - c) s
     keep = (c[:, None] != c) & (c <= c[:, None] if is_causal else True)  # (n, n), j = i left to the local part
-    strided = strided.masked_fill(~(keep & (c * s + t[:, :, None] < L)), float("-inf"))  # (s, n, n)
+    strided.masked_fill_(~(keep & (c * s + t[:, :, None] < L)), float("-inf"))  # (s, n, n)
     if keys is not None:  # padded keys hidden in both parts: (B, 1, n, 1, 3s) and (B, 1, s, 1, n)
         keys = F.pad(keys.reshape(B, 1, L), (0, n * s - L))  # (B, 1, n*s)
-        local = local.masked_fill(~F.pad(keys, (s, s)).unfold(-1, 3 * s, s)[:, :, :, None], float("-inf"))
-        strided = strided.masked_fill(~keys.view(B, 1, n, s).transpose(-2, -1)[:, :, :, None], float("-inf"))
+        local.masked_fill_(~F.pad(keys, (s, s)).unfold(-1, 3 * s, s)[:, :, :, None], float("-inf"))
+        strided.masked_fill_(~keys.view(B, 1, n, s).transpose(-2, -1)[:, :, :, None], float("-inf"))
     scores = torch.cat([local.flatten(2, 3), strided.permute(0, 1, 3, 2, 4).flatten(2, 3)], dim=-1)  # (B, H, n*s, 3s+n)
-    p = torch.softmax(scores, dim=-1).masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)  # not NaN
+    p = torch.softmax(scores, dim=-1)  # every query sees itself, unless keys hide it: then it gets 0, not NaN
+    if keys is not None:
+        p = p.masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)
     p_local, p_strided = p[..., :3 * s].view(B, H, n, s, 3 * s), p[..., 3 * s:].view(B, H, n, s, n)
     out = p_local @ window(v).transpose(-2, -1)  # (B, H, n, s, Dv)
     out = out + (p_strided.transpose(2, 3) @ by_residue(v)).transpose(2, 3)  # (B, H, n, s, Dv)
