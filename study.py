@@ -365,11 +365,8 @@ CHECKED_MIB, BAND = 16.0, (0.85, 1.15)  # the model holds within BAND at every C
 
 
 def fit_exponent(ns, ys, last=3):
-    """Slope of log y against log n over the `last` largest n: y ~ n^slope there.
-
-    The largest n are used because small n are dominated by fixed costs (Python
-    overhead, library workspaces), which say nothing about the asymptotic growth.
-    """
+    """Slope of log y against log n over the `last` largest n: y ~ n^slope there. The largest n, because
+    fixed costs (Python overhead, library workspaces) dominate small n and say nothing of the growth."""
     pts = sorted((n, y) for n, y in zip(ns, ys) if y and y > 0)[-last:]
     if len(pts) < 2:
         return float("nan")
@@ -735,11 +732,9 @@ def measure_matmul(spec):
 
 
 def native_bf16():
-    """Whether this GPU computes in bfloat16 natively (compute capability 8.0 on).
-
-    torch.cuda.is_bf16_supported() also says yes where bfloat16 is only emulated (T4, V100), and
-    emulated bfloat16 is slow; a torch without including_emulation= gets the capability asked.
-    """
+    """Whether this GPU computes in bfloat16 natively (compute capability 8.0 on): torch.cuda.is_bf16_supported()
+    also says yes where bfloat16 is only emulated (T4, V100), and slow; a torch without including_emulation=
+    gets the capability asked."""
     if "including_emulation" in inspect.signature(torch.cuda.is_bf16_supported).parameters:
         return torch.cuda.is_bf16_supported(including_emulation=False)
     return torch.cuda.get_device_capability()[0] >= 8
@@ -1238,9 +1233,11 @@ def _over_predicted(r):
 def model_report(rows, curves):
     """Measured over predicted, point by point (curves: _ok_rows(rows)), and the points outside the band."""
     rated = [r for rs in curves.values() for r in rs if r.get("predicted_mib")]
-    unmodelled = [f"{r['series']} {r['mode']} n={r['n']} ({r['kernel']})" for rs in curves.values() for r in rs
-                  if "predicted_mib" in r and not r["predicted_mib"]]
-    said = ["", f"Not modelled (a kernel the model does not cover): {'; '.join(unmodelled)}."] if unmodelled else []
+    unmodelled = {}  # "series mode (kernel)": the lengths that no model covers
+    for r in (r for rs in curves.values() for r in rs if "predicted_mib" in r and not r["predicted_mib"]):
+        unmodelled.setdefault(f"{r['series']} {r['mode']} ({r['kernel']})", []).append(str(r["n"]))
+    said = ["", "Not modelled (a kernel the model does not cover): "
+            + "; ".join(f"{key} at n = {', '.join(ns)}" for key, ns in unmodelled.items()) + "."] if unmodelled else []
     if not rated:
         return said
     checked = [r for r in rated if float(r["peak_mib"]) >= CHECKED_MIB]
@@ -1261,7 +1258,8 @@ def model_report(rows, curves):
             return ""
         return f"{_over_predicted(r):.2f}" if float(r["peak_mib"]) >= CHECKED_MIB else f"({_over_predicted(r):.2f})"
     ns = sorted({int(r["n"]) for r in rated})
-    lines += [""] + _table(["series", "mode"] + ns, [[s, m] + [cell(s, m, n) for n in ns] for s, m in curves])
+    lines += [""] + _table(["series", "mode"] + ns, [[s, m] + [cell(s, m, n) for n in ns] for s, m in curves
+                                                      if any(cell(s, m, n) for n in ns)])
     outside = [f"{r['series']} {r['mode']} n={r['n']} ({_over_predicted(r):.2f})" for r in checked
                if not BAND[0] <= _over_predicted(r) <= BAND[1]]
     why = "not explained by the model: a defect to fix"
@@ -1288,9 +1286,10 @@ def report(rows):
         memory = _exp(f["memory"])  # its plain slope only beside it: alone, a constant makes it look sublinear
         if f["memory"] is not None and f["memory_slope"] is not None:
             memory += f" ({f['memory_slope']:.2f})"
+        flops = [f"{float(r['tflops']):.3f}", r["pct_matmul"]] if float(r.get("pairs") or 1) else ["-", "-"]  # no S
         table.append([f"{s} ({r['kernel']})", mode, r["n"], f"{float(r['ms']):.1f}", _spread_cell(r),
                       f"{float(r['peak_mib']):.1f}", r.get("predicted_mib") or "-", r.get("rss_mib") or "-",
-                      f"{float(r['tflops']):.3f}", r["pct_matmul"], memory, _exp(f["rss_slope"]), _exp(f["time"])])
+                      *flops, memory, _exp(f["rss_slope"]), _exp(f["time"])])
     lines += _table(["series", "mode", "largest n", "ms", "spread", "peak MiB", "predicted MiB", "RSS MiB", "TFLOP/s",
                      "% of matmul", "memory exponent", "RSS slope", "time exponent"], table)
     lines += noise_report(rows)
