@@ -201,9 +201,9 @@ def _blocks(L, size):
 IMPLS = ("naive", "chunked", "flash")
 POS_ENCODINGS = ("sinusoidal", "learned", "rope", "alibi")
 
-# Masks: which keys a query sees. One visibility rule (causality, window, documents, attn_mask)
-# serves every hardened path: naive and flash ask mask_block for the whole score matrix, chunked for
-# one block at a time, and chunked visits only the key blocks that the rule leaves visible (_key_blocks).
+# Masks: which keys a query sees, and ALiBi's bias. One visibility rule (causality, window, documents,
+# attn_mask, ALiBi) serves every path: naive and flash ask mask_block for the whole score matrix, chunked
+# for one block at a time, visiting only the key blocks that the rule leaves visible (_key_blocks).
 
 
 def causal_mask(Lq, Lk=None, device=None):
@@ -215,9 +215,8 @@ def causal_mask(Lq, Lk=None, device=None):
 def padding_mask(lengths, max_len, device=None):
     """Boolean (B, 1, 1, max_len) mask, True on the first lengths[b] keys of sequence b.
 
-    It broadcasts over heads and queries, on the device of lengths (or `device`).
-    nn.MultiheadAttention's key_padding_mask is its negation: ~padding_mask(lengths, L)[:, 0, 0].
-    """
+    It broadcasts over heads and queries, on the device of lengths (or `device`). nn.MultiheadAttention's
+    key_padding_mask is its negation: ~padding_mask(lengths, L)[:, 0, 0]."""
     lengths = torch.as_tensor(lengths, device=device)
     if lengths.dim() != 1 or lengths.dtype.is_floating_point:
         raise ValueError(f"lengths must be a 1-D integer tensor, got {tuple(lengths.shape)} {lengths.dtype}")
@@ -230,11 +229,10 @@ def documents(cu_seqlens, L, device=None):
     """Packed rows: (doc_ids, positions), two (L,) int64 tensors, the document of every position and
     its position inside that document.
 
-    cu_seqlens: the CPU offsets [0, l_1, l_1 + l_2, ..., L] of a row's documents (FlashAttention's
-    varlen convention), empty ones allowed. Computed on the CPU, where cu_seqlens lives, and copied
-    to a GPU pinned and non-blocking, so that the host never waits (under torch.compile the copy is
-    the compiler's own, not pinned here).
-    """
+    cu_seqlens: the CPU offsets [0, l_1, l_1 + l_2, ..., L] of a row's documents (FlashAttention's varlen
+    convention), empty ones allowed. Computed on the CPU, where cu_seqlens lives, and copied to a GPU pinned
+    and non-blocking, so that the host never waits (under torch.compile the copy is the compiler's own, not
+    pinned here)."""
     _check_cu_seqlens(cu_seqlens, L)
     doc = torch.bucketize(torch.arange(L), cu_seqlens[1:], right=True)  # document ends <= p: p's document
     both = torch.stack([doc, torch.arange(L) - cu_seqlens[doc]])  # (2, L)
@@ -247,15 +245,13 @@ def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, doc_
                alibi_slopes=None, scores=None, device=None):
     """The mask of scores[..., rows, cols] (rows, cols: slices of query and key positions).
 
-    Returns a bool mask (True = keep), a float mask (added to the scores), or None (keep
-    every key), broadcastable to (B, H, rows, cols). Causality, the window and documents are
-    built from positions, and only for a block that straddles the diagonal, the window's edge
-    or a document boundary. doc_ids: the (L,) document of every position (documents()); offsets:
-    cu_seqlens as a list, where the host knows it, to tell the blocks inside one document, which
-    need no document mask. alibi_slopes (B or 1, H, 1, 1): ALiBi's bias, -slope * |i - j| in the slopes'
-    dtype (the same within a document), joins the mask; or, given the block's scores (B, H, rows, cols), is
-    added to them in place, as FlashAttention adds it in registers, with no block of its own.
-    """
+    Returns a bool mask (True = keep), a float mask (added to the scores), or None (keep every key),
+    broadcastable to (B, H, rows, cols). Causality, the window and documents are built from positions, and
+    only for a block that straddles the diagonal, the window's edge or a document boundary. doc_ids: the (L,)
+    document of every position (documents()); offsets: cu_seqlens as a list, where the host knows it, to tell
+    the blocks inside one document, which need no document mask. alibi_slopes (B or 1, H, 1, 1): ALiBi's bias,
+    -slope * |i - j| in the slopes' dtype (the same within a document), joins the mask; or, given the block's
+    scores (B, H, rows, cols), S_ij -= slope * |i - j| in place, with no block of its own."""
     q0, q1, k0, k1 = rows.start, rows.stop, cols.start, cols.stop
     causal = is_causal and k1 - 1 > q0  # some key lies after some query
     local = window_size is not None and (k1 - 1 - q0 > window_size or q1 - 1 - k0 > window_size)
@@ -276,7 +272,7 @@ def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, doc_
         i, j = (torch.arange(a, b, device=device, dtype=alibi_slopes.dtype) for a, b in ((q0, q1), (k0, k1)))
         distance = (j - i[:, None]).abs_()  # (rows, cols)
         if scores is not None:
-            scores.addcmul_(alibi_slopes, distance, value=-1)  # no (B or 1, H, rows, cols) product made
+            scores.addcmul_(alibi_slopes, distance, value=-1)  # S -= slope * |i - j|: no product block made
         else:
             bias = alibi_slopes * distance.neg_()  # (B or 1, H, rows, cols)
             keep = bias if keep is None else bias.masked_fill_(~keep, float("-inf"))
@@ -359,10 +355,9 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
                     cu_seqlens=None, alibi_slopes=None):
     """Attention(Q, K, V) = softmax(Q K^T * scale + M) V,  scale = 1/sqrt(D) by default.
 
-    Returns out (B, H, Lq, Dv) and the weights (B, H, Lq, Lk) it used, after dropout, so
-    that out == weights @ v. Standard attention as it is written: computed in the inputs' dtype (softmax
-    accumulates in float32 inside), a float mask (and ALiBi's bias, built whole) added in float32 or wider.
-    """
+    Returns out (B, H, Lq, Dv) and the weights (B, H, Lq, Lk) it used, after dropout, so that
+    out == weights @ v. Standard attention as it is written: computed in the inputs' dtype (softmax
+    accumulates in float32 inside), a float mask (and ALiBi's bias, built whole) added in float32 or wider."""
     q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
     Lq, Lk = q.size(-2), k.size(-2)
     doc_ids = None if cu_seqlens is None else documents(cu_seqlens, Lq, q.device)[0]
@@ -500,11 +495,9 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
                       window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None):
     """softmax(Q K^T * scale + M) V, the same result as naive_attention, in O(L) memory.
 
-    chunk_size: int or (query block, key block); None: default_chunk_size. Blocks that
-    is_causal, window_size or the documents of cu_seqlens hide are skipped; ALiBi's bias is made
-    block by block. Gradients flow to q, k, v and to a float attn_mask that requires grad.
-    Dropout's seed is drawn from the device's generator.
-    """
+    chunk_size: int or (query block, key block); None: default_chunk_size. Blocks that is_causal, window_size
+    or the documents of cu_seqlens hide are skipped; ALiBi's bias is made block by block. Gradients flow to q,
+    k, v and to a float attn_mask that requires grad. Dropout's seed is drawn from the device's generator."""
     q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
     cq, ck = _chunks(default_chunk_size(q.device) if chunk_size is None else chunk_size)
     seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
@@ -717,21 +710,19 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
                     window_size=None, cu_seqlens=None, alibi_slopes=None, on_math="warn"):
     """softmax(Q K^T * scale + M) V by F.scaled_dot_product_attention's fused kernels.
 
-    When no fused kernel accepts the inputs (dropout on a CPU, say), on_math decides: "warn"
-    and run the math kernel, "raise" a RuntimeError, or "allow". A mask, window or documents
-    reach SDPA as one (.., Lq, Lk) mask (ALiBi's bias too, (B or 1, H, Lq, Lk)); pure is_causal as the
-    kernel's flag. Under torch.compile, and
-    where torch cannot report its kernel (MPS, XPU), SDPA runs unchecked.
+    When no fused kernel accepts the inputs (dropout on a CPU, say), on_math decides: "warn" and run the math
+    kernel, "raise" a RuntimeError, or "allow". A mask, window or documents reach SDPA as one (.., Lq, Lk)
+    mask (ALiBi's bias too, (B or 1, H, Lq, Lk)); pure is_causal as the kernel's flag. Under torch.compile,
+    and where torch cannot report its kernel (MPS, XPU), SDPA runs unchecked.
 
-    Float masks: a CPU's fused kernel adds them in float32, so the precision rule holds for any bias.
-    On CUDA a fused kernel reads the mask in q's dtype: a float32 bias b (each row shifted to a maximum of
-    0 first) reaches it rounded to 16 bits, an error of up to |b| * 2^-8 in the logits in bfloat16 (2^-11
-    in float16, which also clamps it to +-65504); the rule then holds while that stays below the rounding
-    of the scores themselves, |b| no larger than the scores. For larger biases in 16 bits use chunked,
-    which adds them in float32. Rows whose bias is far from 0, which the fused kernels get wrong, are
-    shifted and, where swamped, computed as SDPA's math computes them; off the CPU and under compile that
-    costs every float mask a copy and, with k's gradient, twice the time (_far_rows).
-    """
+    Float masks: a CPU's fused kernel adds them in float32, so the precision rule holds for any bias. On CUDA
+    a fused kernel reads the mask in q's dtype: a float32 bias b (each row shifted to a maximum of 0 first)
+    reaches it rounded to 16 bits, an error of up to |b| * 2^-8 in the logits in bfloat16 (2^-11 in float16,
+    which also clamps it to +-65504); the rule then holds while that stays below the rounding of the scores
+    themselves, |b| no larger than the scores. For larger biases in 16 bits use chunked, which adds them in
+    float32. Rows whose bias is far from 0, which the fused kernels get wrong, are shifted and, where swamped,
+    computed as SDPA's math computes them; off the CPU and under compile that costs every float mask a copy
+    and, with k's gradient, twice the time (_far_rows)."""
     if on_math not in ("warn", "raise", "allow"):
         raise ValueError(f"on_math must be 'warn', 'raise' or 'allow', got {on_math!r}")
     q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
@@ -785,8 +776,11 @@ def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_
     kernel = ask(q, k, v, mask)
     # far rows as SDPA's math computes them, before a 16-bit copy can round them: wherever a fused kernel may
     # read the mask, or off the CPU its copy in q's dtype (the math kernel computes them right itself)
-    user_float = attn_mask is not None and attn_mask.is_floating_point()  # ALiBi's bias alone is never far
-    if user_float and (kernel != "math" or device_type != "cpu"):
+    user_float = attn_mask is not None and attn_mask.is_floating_point()
+    reach = q.size(-2) + k.size(-2)  # ALiBi's bias reaches -slope * reach: far on a CPU only for huge slopes
+    alibi_far = alibi_slopes is not None and (device_type != "cpu" or compiling
+                                              or _host_value(alibi_slopes.amax()) * reach >= _FAR)
+    if (user_float or alibi_far) and (kernel != "math" or device_type != "cpu"):
         mask, swamped = _far_rows(mask, can_look=device_type == "cpu" and not compiling)
         if swamped is not None:
             q, k, v = _switch_off_scores(q, k, v, swamped)
@@ -884,7 +878,8 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     """Attention through impl: one of IMPLS, or a function with SDPA's arguments, window_size=, cu_seqlens=
     and alibi_slopes= (ring_attention.ring_impl, approximate_attention's modules).
     q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv)."""
-    kw = dict(window_size=window_size, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes)
+    kw = dict(window_size=window_size, cu_seqlens=cu_seqlens)
+    kw |= {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}  # a function without it still runs
     if callable(impl):
         return impl(q, k, v, attn_mask, dropout_p, is_causal, scale, **kw)
     if impl == "naive":
@@ -908,7 +903,7 @@ class MultiHeadAttention(nn.Module):
     impl: one of IMPLS, or an attention function (see attention()). rope: an optional
     RotaryEmbedding applied to q and k of every head, at `positions` (default 0 .. T-1, restarting
     in every document of cu_seqlens: the packed documents of every row, see documents()). alibi: ALiBi's
-    bias in every head (alibi_slopes; a buffer, cast with the module).
+    bias in every head (alibi_slopes, made in float32 on x's device whatever the module's dtype).
     """
 
     def __init__(self, d_model, n_heads, dropout=0.0, bias=True, impl="flash", *, chunk_size=None,
@@ -922,8 +917,7 @@ class MultiHeadAttention(nn.Module):
             warnings.warn(f"head size d_model/n_heads = {d_model // n_heads} is below 32; "
                           "fine for small test models, weak for real ones", stacklevel=2)
         self.d_model, self.n_heads, self.dropout, self.impl = d_model, n_heads, dropout, impl
-        self.chunk_size, self.window_size, self.rope = chunk_size, window_size, rope
-        self.register_buffer("alibi_slopes", alibi_slopes(n_heads) if alibi else None, persistent=False)
+        self.chunk_size, self.window_size, self.rope, self.alibi = chunk_size, window_size, rope, alibi
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
 
@@ -945,7 +939,7 @@ class MultiHeadAttention(nn.Module):
             q, k = self.rope(q, positions), self.rope(k, positions)
         p = self.dropout if self.training else 0.0
         kw = dict(window_size=self.window_size, cu_seqlens=cu_seqlens,
-                  alibi_slopes=None if self.alibi_slopes is None else self.alibi_slopes.float())
+                  alibi_slopes=alibi_slopes(nh, x.device) if self.alibi else None)
         if need_weights:  # only the naive path materialises the weights
             if callable(self.impl):
                 raise ValueError("need_weights computes the weights by naive attention on this module's own "
@@ -1042,13 +1036,16 @@ class RotaryEmbedding(nn.Module):
         return x * self.cos[pos].to(x.dtype) + rotated * self.sin[pos].to(x.dtype)
 
 
-def alibi_slopes(n_heads):
+def alibi_slopes(n_heads, device=None):
     """ALiBi's slopes m_h (Press et al. 2022), (n_heads,) float32: head h adds -m_h * |i - j| to score (i, j),
-    a penalty on distance instead of positions added to x. For n heads a power of 2, m_h = 2^(-8h/n),
-    h = 1 .. n; otherwise those of the largest power of 2 below n, then every other one of twice as many."""
-    geometric = lambda n: [2 ** (-8 * h / n) for h in range(1, n + 1)]  # noqa: E731
-    m = 2 ** int(math.log2(n_heads))
-    return torch.tensor(geometric(m) + geometric(2 * m)[0::2][:n_heads - m], dtype=torch.float32)
+    a penalty on distance instead of positions added to x: no table to run past, so it applies at any
+    length, each head favouring keys within about 1/m_h of the query. For n heads a power of 2,
+    m_h = 2^(-8h/n), h = 1 .. n; otherwise those of p, the largest power of 2 below n, then
+    2^(-8(2h' - 1)/2p), h' = 1 .. n - p: every other one of 2p heads."""
+    if not (isinstance(n_heads, int) and n_heads >= 1):
+        raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
+    p, h = 2 ** int(math.log2(n_heads)), torch.arange(1, n_heads + 1, device=device, dtype=torch.float32)
+    return 2 ** -torch.where(h <= p, 8 * h / p, 8 * (2 * (h - p) - 1) / (2 * p))
 
 
 # -----------------------------------------------------------------------------
@@ -1367,10 +1364,9 @@ def lr_factor(step, warmup, steps, min_ratio):
 def make_optimizer(model, lr, weight_decay):
     """AdamW; weight decay on matrices only: decaying biases and LayerNorm gains only hurts.
 
-    The fused implementation (CPU and CUDA) keeps its step counts on the device and lets
-    GradScaler skip an inf/NaN step inside the kernel; the others read a value on the host
-    every step (the step count, or the scaler's found-inf flag): a GPU sync per step.
-    """
+    The fused implementation (CPU and CUDA) keeps its step counts on the device and lets GradScaler skip an
+    inf/NaN step inside the kernel; the others read a value on the host every step (the step count, or the
+    scaler's found-inf flag): a GPU sync per step."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -1382,10 +1378,9 @@ def optimizer_step(loss, model, optimizer, scaler, clip):
     """backward, unscale, clip, step; returns the gradient norm before clipping and whether the step ran,
     both as tensors on the device: reading them on the host every step would stall a GPU.
 
-    The order matters: with fp16 the gradients are multiplied by the loss scale, so they must be
-    unscaled before their norm is clipped; clipping scaled gradients (the classic bug) clips almost
-    every step to a tiny fraction of 1.0.
-    """
+    The order matters: with fp16 the gradients are multiplied by the loss scale, so they must be unscaled
+    before their norm is clipped; clipping scaled gradients (the classic bug) clips almost every step to a
+    tiny fraction of 1.0."""
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
@@ -1839,7 +1834,7 @@ def _check_range(t, lo, hi, name):
         return
     if t.device.type == "cpu" and not torch.compiler.is_compiling():
         t_min, t_max = (_host_value(x) for x in torch.aminmax(t))
-        if t_min < lo or t_max >= hi:
+        if not lo <= t_min <= t_max < hi:  # NaN fails it too
             raise ValueError(f"{name} must lie in [{lo}, {hi}), got min {t_min} max {t_max}")
     else:
         torch._assert_async(((t >= lo) & (t < hi)).all(), f"{name} must lie in [{lo}, {hi})")
