@@ -3,19 +3,21 @@ approximate_attention: the other ways out of attention's O(n^2) memory that the 
 under its equation and its paper, beside exact attention (minitransformer.py):
 
 - strided_attention: Child et al. 2019, "Generating Long Sequences with Sparse Transformers",
-  https://arxiv.org/abs/1904.10509 (the fixed pattern): exact attention over a local band and every
+  https://arxiv.org/abs/1904.10509 (their strided pattern): exact attention over a local band and every
   stride-th key;
 - linear_attention: Katharopoulos et al. 2020, "Transformers are RNNs", https://arxiv.org/abs/2006.16236:
-  a kernel's feature map in place of the softmax;
+  a kernel's feature map in place of the softmax (another similarity, not an estimate of exp);
 - low_rank_attention: Wang et al. 2020, "Linformer", https://arxiv.org/abs/2006.04768: keys and values
   projected along the sequence to r positions;
 - memory_compressed_attention: Liu et al. 2018, "Generating Wikipedia by Summarizing Long Sequences",
   https://arxiv.org/abs/1801.10198: keys and values compressed along the sequence by a strided
   convolution.
 
-q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv), as the module's paths; the scale is
-1/sqrt(D). Only strided_attention is exact, under its pattern; the others compute another function, and
-study.py measures how far from exact attention it lies, beside its memory and time. The modules own the
+q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv), as the module's paths; the softmax's
+scale is 1/sqrt(D). Only strided_attention is exact, under its pattern; the others compute another function,
+and study.py measures how far from exact attention it lies (beside uniform_attention, which knows nothing of q
+and k), with its memory and time. Written in plain PyTorch, each holds its scores in memory: a fused kernel
+would hold none, as flash does for exact attention. The modules own the
 learned parts and stand in for an attention function (MultiHeadAttention's impl=, or use_in(encoder)).
 """
 
@@ -29,47 +31,52 @@ import minitransformer as mt
 
 
 def strided_attention(q, k, v, stride, is_causal=False, keys=None):
-    """Exact attention under the Sparse Transformer's fixed pattern: query i sees key j when |i - j| < stride
-    (a local band) or (i - j) mod stride == 0 (the strided columns); with is_causal only j <= i. Self-attention;
-    keys: a key-padding mask (B, 1, 1, L), True where a key exists. A query that sees no key gets 0.
+    """Exact attention under the Sparse Transformer's strided pattern: query i sees the keys
 
-    With s = stride and the sequence cut into n = L/s blocks of s positions, neither part needs the L x L scores:
-        local:   block b's queries against the keys of blocks b-1, b, b+1 (3s keys, masked to |i - j| < s);
-        strided: q and k regrouped by residue i mod s, (s, n): each residue's n queries against its n keys;
-        out_i = softmax over both parts at once (j = i counted in the local one) of S_ij, times V_j.
-    So B * H * L * (3s + L/s) scores, not B * H * L^2.
+        A_i = {j : |i - j| < s}  U  {j : s divides i - j}        s = stride, with is_causal only j <= i
+
+    (the paper's is causal, its band i - s .. i one key wider). Self-attention; keys: a key-padding mask
+    (B, 1, 1, L), True where a key exists. A query whose every key in A_i is hidden gets 0.
+
+    With the sequence cut into n = ceil(L / s) blocks of s positions, query i = b s + t (block b, offset t):
+        local:   the band |i - j| < s lies in blocks b-1, b, b+1: 3s keys j = (b - 1) s + u, masked to it;
+        strided: the keys j = c s + t, one per block c: q and k regrouped by offset t, (s, n), each offset's n
+                 queries against its n keys (c = b left out: the local part has j = i);
+        out_i = softmax over both parts at once of S_ij, times V_j.
+    So B * H * L * (3s + n) scores, not B * H * L^2.
     """
     B, H, L, D = q.shape
-    if not (isinstance(stride, int) and stride >= 1):
+    if not (type(stride) is int and stride >= 1):
         raise ValueError(f"stride must be a positive int, got {stride!r}")
     if k.size(-2) != L:
         raise ValueError(f"strided attention is self-attention: Lq must equal Lk, got {L} and {k.size(-2)}")
-    s, n = stride, -(-L // stride)
+    s, n = stride, -(-L // stride)  # n blocks: L / s rounded up
     q, k, v = (F.pad(t, (0, 0, 0, n * s - L)) for t in (q / math.sqrt(D), k, v))  # (B, H, n*s, D), last block padded
     u = torch.arange(3 * s, device=q.device)  # key u of a query's window: j = (b - 1) s + u, and i = b s + t
     t = torch.arange(s, device=q.device)[:, None]
     c = torch.arange(n, device=q.device)
     j = torch.arange(-s, (n + 1) * s, device=q.device)  # every key position of the windows, padding included
     real = (j >= 0) & (j < L)
-    window = lambda x: F.pad(x, (0, 0, s, s)).unfold(2, 3 * s, s)  # (B, H, n, D, 3s): blocks b-1, b, b+1  # noqa: E731
+    window = lambda x: F.pad(x, (0, 0, s, s)).unfold(2, 3 * s, s)  # (B, H, n, D, 3s), the window last  # noqa: E731
     local = q.view(B, H, n, s, D) @ window(k)  # (B, H, n, s, 3s)
     keep = ((s + t - u).abs() < s) & (u <= s + t if is_causal else True)  # (s, 3s): i - j = s + t - u
     local.masked_fill_(~(keep & real.unfold(0, 3 * s, s)[:, None, :]), float("-inf"))  # (n, s, 3s)
-    by_residue = lambda x: x.view(B, H, n, s, x.size(-1)).transpose(2, 3)  # (B, H, s, n, D): i = a s + r  # noqa: E731
-    strided = by_residue(q) @ by_residue(k).transpose(-2, -1)  # (B, H, s, n, n): i - j = (a - c) s
-    keep = (c[:, None] != c) & (c <= c[:, None] if is_causal else True)  # (n, n), j = i left to the local part
+    by_offset = lambda x: x.view(B, H, n, s, x.size(-1)).transpose(2, 3)  # (B, H, s, n, D): i = b s + t  # noqa: E731
+    strided = by_offset(q) @ by_offset(k).transpose(-2, -1)  # (B, H, s, n, n): query block b, key block c
+    keep = (c[:, None] != c) & (c <= c[:, None] if is_causal else True)  # (n, n) of (b, c): j = i left to local
     strided.masked_fill_(~(keep & (c * s + t[:, :, None] < L)), float("-inf"))  # (s, n, n)
     if keys is not None:  # padded keys hidden in both parts: (B, 1, n, 1, 3s) and (B, 1, s, 1, n)
-        keys = F.pad(keys.reshape(B, 1, L), (0, n * s - L))  # (B, 1, n*s)
+        keys = F.pad(keys.expand(B, 1, 1, L).reshape(B, 1, L), (0, n * s - L))  # (B, 1, n*s)
         local.masked_fill_(~F.pad(keys, (s, s)).unfold(-1, 3 * s, s)[:, :, :, None], float("-inf"))
         strided.masked_fill_(~keys.view(B, 1, n, s).transpose(-2, -1)[:, :, :, None], float("-inf"))
-    scores = torch.cat([local.flatten(2, 3), strided.permute(0, 1, 3, 2, 4).flatten(2, 3)], dim=-1)  # (B, H, n*s, 3s+n)
-    p = torch.softmax(scores, dim=-1)  # every query sees itself, unless keys hide it: then it gets 0, not NaN
+    strided = strided.permute(0, 1, 3, 2, 4)  # (B, H, n, s, n): back in query order i = b s + t
+    scores = torch.cat([local.flatten(2, 3), strided.flatten(2, 3)], dim=-1)  # (B, H, n*s, 3s+n)
+    p = torch.softmax(scores, dim=-1)  # every query sees itself, unless keys hide all of A_i: then 0, not NaN
     if keys is not None:
         p = p.masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)
     p_local, p_strided = p[..., :3 * s].view(B, H, n, s, 3 * s), p[..., 3 * s:].view(B, H, n, s, n)
     out = p_local @ window(v).transpose(-2, -1)  # (B, H, n, s, Dv)
-    out = out + (p_strided.transpose(2, 3) @ by_residue(v)).transpose(2, 3)  # (B, H, n, s, Dv)
+    out = out + (p_strided.transpose(2, 3) @ by_offset(v)).transpose(2, 3)  # (B, H, n, s, Dv)
     return out.flatten(2, 3)[:, :, :L]  # (B, H, L, Dv)
 
 
@@ -79,14 +86,19 @@ def linear_attention(q, k, v, is_causal=False, chunk=64):
 
         out_i = phi(q_i)^T (sum_j phi(k_j) v_j^T) / (phi(q_i)^T sum_j phi(k_j))
 
-    per head a (D, Dv) sum instead of L x L scores. With is_causal the sums run over j <= i: per block of `chunk`
-    positions, the sums of the blocks before it (prefix sums, (L/chunk, D, Dv)) and, inside it, the (chunk, chunk)
-    products with their causal mask: memory linear in L.
+    per head a (D, Dv) sum instead of L x L scores: (phi(Q) phi(K)^T) V = phi(Q) (phi(K)^T V). With is_causal
+    the sums run over j <= i: per block of `chunk` positions, the sums of the blocks before it (an exclusive
+    prefix sum over blocks, (L/chunk, D, Dv)) and, inside it, the (chunk, chunk) products with their causal
+    mask: memory linear in L. The sums grow with L, so 16-bit inputs are summed in float32 (float16 would
+    overflow past a few thousand keys). A query with no key (phi(k) = 0 for every key, as padding) gets 0.
     """
-    fq, fk = F.elu(q) + 1, F.elu(k) + 1  # (B, H, L, D), positive: the normaliser never vanishes
+    dtype = q.dtype
+    q, k, v = (t.to(torch.promote_types(t.dtype, torch.float32)) for t in (q, k, v))
+    fq, fk = F.elu(q) + 1, F.elu(k) + 1  # (B, H, L, D), positive
     if not is_causal:
         kv, z = fk.transpose(-2, -1) @ v, fk.sum(-2, keepdim=True)  # (B, H, D, Dv), (B, H, 1, D)
-        return (fq @ kv) / (fq * z).sum(-1, keepdim=True)
+        den = (fq * z).sum(-1, keepdim=True)
+        return ((fq @ kv) / den.masked_fill(den == 0, 1.0)).to(dtype)
     B, H, L, D = q.shape
     if k.size(-2) != L:
         raise ValueError(f"causal linear attention is self-attention: Lq must equal Lk, got {L} and {k.size(-2)}")
@@ -98,13 +110,15 @@ def linear_attention(q, k, v, is_causal=False, chunk=64):
     inside = (fq @ fk.transpose(-2, -1)).tril()  # (B, H, n, c, c): keys j <= i of the query's own block
     num = fq @ kv + inside @ v  # (B, H, n, c, Dv)
     den = (fq * z[:, :, :, None]).sum(-1) + inside.sum(-1)  # (B, H, n, c)
-    return (num / den[..., None]).flatten(2, 3)[:, :, :L]
+    return (num / den.masked_fill(den == 0, 1.0)[..., None]).flatten(2, 3)[:, :, :L].to(dtype)
 
 
 def low_rank_attention(q, k, v, E, F_):
     """Linformer: keys and values projected along the sequence by E and F (r, Lk), r << Lk:
 
         softmax(Q (E K)^T / sqrt(D)) (F V)          (Lq, r) scores instead of (Lq, Lk)
+
+    Not causal: every projected key mixes all Lk positions, later ones too.
     """
     Lk = k.size(-2)
     if E.dim() != 2 or E.shape != F_.shape or E.size(-1) != Lk:
@@ -121,8 +135,9 @@ def memory_compressed_attention(q, k, v, weight_k, weight_v, keys=None):
 
         K' = conv1d(K, W_k, stride=ratio),   V' = conv1d(V, W_v, stride=ratio),   softmax(Q K'^T / sqrt(D)) V'
 
-    keys: a key-padding mask (B, 1, 1, Lk), True where a key exists: a compressed position whose window holds
-    no key is masked (its K' would be 0, and still be attended).
+    keys: a key-padding mask (B, 1, 1, Lk), True where a key exists: padded keys and values are zeroed before
+    the convolution, a compressed position whose window holds no key is masked, and a query that sees none
+    gets 0. Still quadratic: Lq * ceil(Lk / ratio) scores.
     """
     B, H, Lk, D = k.shape
     ratio = weight_k.size(-1)
@@ -133,11 +148,15 @@ def memory_compressed_attention(q, k, v, weight_k, weight_v, keys=None):
     def compress(x, w):  # (B, H, Lk, d) -> (B, H, ceil(Lk / ratio), d)
         x = F.pad(x.flatten(0, 1).transpose(1, 2), (0, -Lk % ratio))  # (B*H, d, Lk padded)
         return F.conv1d(x, w, stride=ratio).transpose(1, 2).unflatten(0, (B, H))
+    if keys is not None:  # padded keys and values out of the windows: (B, 1, Lk, 1)
+        k, v = k.masked_fill(~keys.transpose(-2, -1), 0.0), v.masked_fill(~keys.transpose(-2, -1), 0.0)
     k, v = compress(k, weight_k), compress(v, weight_v)
     s = q @ k.transpose(-2, -1) / math.sqrt(D)  # (B, H, Lq, ceil(Lk / ratio))
-    if keys is not None:  # a window with a key in it
-        s = s.masked_fill(~F.pad(keys, (0, -Lk % ratio)).unflatten(-1, (-1, ratio)).any(-1), float("-inf"))
-    return torch.softmax(s, dim=-1) @ v
+    if keys is None:
+        return torch.softmax(s, dim=-1) @ v
+    seen = F.pad(keys, (0, -Lk % ratio)).unflatten(-1, (-1, ratio)).any(-1)  # (B, 1, 1, ceil(Lk / ratio))
+    p = torch.softmax(s.masked_fill(~seen, float("-inf")), dim=-1)
+    return p.masked_fill(~seen.any(-1, keepdim=True), 0.0) @ v  # a query that sees no key: 0, not NaN
 
 
 # -----------------------------------------------------------------------------
@@ -155,6 +174,9 @@ class _Approximate(nn.Module):
         refused = {"dropout_p": dropout_p or None, "scale": scale, "window_size": window_size,
                    "cu_seqlens": cu_seqlens, "alibi_slopes": alibi_slopes,
                    "is_causal": is_causal if is_causal and not self.takes_causal else None}
+        if q.dim() != 4 or k.shape[:2] != q.shape[:2] or k.size(-1) != q.size(-1) or v.shape[:-1] != k.shape[:-1]:
+            raise ValueError(f"{type(self).__name__} takes q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv), got "
+                             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
         if any(x is not None for x in refused.values()):
             raise ValueError(f"{type(self).__name__} takes q, k, v, a key-padding attn_mask" +
                              (" and is_causal" if self.takes_causal else "") + ", got " +
@@ -193,13 +215,18 @@ class LinearAttention(_Approximate):
 
 
 class LowRankAttention(_Approximate):
-    """low_rank_attention with learned E and F (rank, max_len), N(0, 1/rank) as the Johnson-Lindenstrauss
-    projections the paper starts from; a sequence of Lk <= max_len tokens takes their first Lk columns, and
-    padded keys and values are zeroed before they are projected."""
+    """low_rank_attention with learned E and F (rank, max_len), shared by every head (the paper's headwise
+    sharing), started at the scale of its reference code (xavier_uniform, gain 1/sqrt(2): std
+    1/sqrt(max_len + rank)), so that E K and F V keep about the scale of K and V; the paper's theorem takes
+    N(0, 1/rank), which scales them by sqrt(max_len / rank). A sequence of Lk <= max_len tokens takes the first
+    Lk columns, and padded keys and values are zeroed before they are projected."""
 
     def __init__(self, rank, max_len):
         super().__init__()
-        self.E, self.F = (nn.Parameter(torch.randn(rank, max_len) / math.sqrt(rank)) for _ in range(2))
+        if not (type(rank) is int and type(max_len) is int and 1 <= rank and 1 <= max_len):
+            raise ValueError(f"rank and max_len must be positive ints, got rank={rank!r}, max_len={max_len!r}")
+        std = 1 / math.sqrt(max_len + rank)
+        self.E, self.F = (nn.Parameter(torch.randn(rank, max_len) * std) for _ in range(2))
 
     def attend(self, q, k, v, keys, is_causal):
         Lk = k.size(-2)
@@ -212,19 +239,17 @@ class LowRankAttention(_Approximate):
 
 class CompressedAttention(_Approximate):
     """memory_compressed_attention with learned convolutions, (head_dim, head_dim, ratio) for keys and for
-    values, started as averages of `ratio` neighbours; padded keys and values are zeroed before, and a
-    compressed position of padding alone is masked."""
+    values, one pair shared by every head, started as averages of `ratio` neighbours; padding as the function's
+    keys=."""
 
     def __init__(self, head_dim, ratio):
         super().__init__()
-        if ratio < 1:
-            raise ValueError(f"ratio must be a positive int, got {ratio}")
+        if not (type(ratio) is int and ratio >= 1):
+            raise ValueError(f"ratio must be a positive int, got {ratio!r}")
         mean = torch.eye(head_dim)[:, :, None].expand(head_dim, head_dim, ratio) / ratio
         self.weight_k, self.weight_v = (nn.Parameter(mean.clone()) for _ in range(2))
 
     def attend(self, q, k, v, keys, is_causal):
-        if keys is not None:
-            k, v = k.masked_fill(~keys, 0.0), v.masked_fill(~keys, 0.0)
         return memory_compressed_attention(q, k, v, self.weight_k.to(q.dtype), self.weight_v.to(q.dtype),
                                            None if keys is None else keys.transpose(-2, -1))
 
@@ -237,6 +262,12 @@ def use_in(encoder, make):
     return encoder
 
 
+def uniform_attention(q, k, v, is_causal=False):
+    """Every key a query sees weighted alike: the average of their values (softmax of scores all 0). What a
+    strategy that knew nothing of q and k would give: the error it has is the floor a strategy must beat."""
+    return mt.chunked_attention(torch.zeros_like(q), k, v, is_causal=is_causal)
+
+
 def error_of(strategy, q, k, v, is_causal=False):
     """||strategy(q, k, v) - attention(q, k, v)|| / ||attention(q, k, v)||: how far a strategy lies from exact
     attention on these inputs (exact: minitransformer's chunked path, in the inputs' dtype)."""
@@ -247,8 +278,12 @@ def error_of(strategy, q, k, v, is_causal=False):
 
 def trained_inputs(checkpoint, n, device):
     """q, k, v (1, H, n, D) of the last layer of a trained TokenClassifier (a minitransformer checkpoint, its
-    sinusoidal table recomputed for n positions), on n random tokens: what a strategy meets in a model."""
+    sinusoidal table recomputed for n positions), on n random tokens: what a strategy meets in a model, though
+    far past the lengths it was trained on."""
     state = mt.load_checkpoint(checkpoint)
+    if state["model_config"].get("pos_encoding", "sinusoidal") != "sinusoidal":
+        raise ValueError(f"trained_inputs reads q and k before any rotation or bias: a sinusoidal model only, "
+                         f"got pos_encoding={state['model_config']['pos_encoding']!r}")
     model = mt.TokenClassifier(mt.EncoderConfig(**{**state["model_config"], "max_len": n}))
     model.load_state_dict(state["model"])
     attn, seen = model.encoder.layers[-1].self_attn, []
