@@ -50,7 +50,7 @@ LINUX_MEMORY = sys.platform.startswith("linux") and os.path.exists("/proc/self/c
 COLUMNS = ["device", "torch", "dtype", "series", "path", "kernel", "mode", "causal", "window", "docs", "alibi", "B",
            "H", "D", "n", "world", "setting", "ms", "ms_min", "ms_max", "comm_ms", "peak_mib", "predicted_mib",
            "rss_mib", "tflops", "pct_matmul", "pairs", "matmul_tflops", "mem_budget_gib", "status", "noise",
-           "error_random", "error_trained"]
+           "error_random", "error_trained", "uniform_random", "uniform_trained"]
 MODES = ("fwd", "fwd+bwd")
 MIB = 2**20
 SDPA_SERIES = {"sdpa-flash": "flash", "sdpa-efficient": "efficient", "sdpa-cudnn": "cudnn"}
@@ -469,12 +469,11 @@ def _available_bytes():
 class _CpuPeak:
     """Peak resident memory of this process during a call, above its resident size before it (Linux).
 
-    Inside the block, blocks over 128 KiB are mmapped and unmapped when freed, and free heap memory
-    is returned first (malloc_trim), so every byte the call needs shows up as new resident memory.
-    Afterwards the thresholds are set to the largest values glibc's dynamic thresholds reach (mmap
-    32 MiB, trim 64 MiB): setting them switches that adjustment off, so the timed calls run with
-    malloc caching every block below 32 MiB, as a long-running glibc process ends up doing.
-    """
+    Inside the block, blocks over 128 KiB are mmapped and unmapped when freed, and free heap memory is returned
+    first (malloc_trim), so every byte the call needs shows up as new resident memory. Afterwards the thresholds
+    are set to the largest values glibc's dynamic thresholds reach (mmap 32 MiB, trim 64 MiB): setting them
+    switches that adjustment off, so the timed calls run with malloc caching every block below 32 MiB, as a
+    long-running glibc process ends up doing."""
 
     def __enter__(self):
         self.libc = _libc()
@@ -626,11 +625,10 @@ class _Workload:
 def _forced_kernel_runs(work, step, kernel):
     """One whole step of a forced SDPA kernel, backward included, before anything is measured.
 
-    SDPA only says which kernel it would choose for the forward; a backward that this GPU cannot run
-    (some head dims need a newer architecture) fails only when called. A plain RuntimeError (what the
-    kernels' own checks raise) is this device's answer: unsupported. Out of memory stays out of
-    memory; subclasses (a CUDA fault, not implemented) and failures of other series are bugs.
-    """
+    SDPA only says which kernel it would choose for the forward; a backward that this GPU cannot run (some head
+    dims need a newer architecture) fails only when called. A plain RuntimeError (what the kernels' own checks
+    raise) is this device's answer: unsupported. Out of memory stays out of memory; subclasses (a CUDA fault,
+    not implemented) and failures of other series are bugs."""
     work.clear_grads()
     try:
         step()
@@ -673,12 +671,14 @@ def measure_point(spec):
 
 def _errors(spec, work):
     """A strategy's error (approximate_attention.error_of) on the point's random q, k, v, and on those of the last
-    layer of an encoder trained on the reversal task (spec["trained"]), which carry what random ones lack."""
+    layer of an encoder trained on the reversal task (spec["trained"]), which carry what random ones lack; beside
+    each, uniform attention's, which knows nothing of q and k."""
     make = approx.STRATEGIES[spec["path"]]
-    inputs = {"error_random": (work.q, work.k, work.v),
-              "error_trained": approx.trained_inputs(spec["trained"], spec["n"], work.device)}
-    return {name: approx.error_of(make(spec["setting"], q.size(-2), q.size(-1)).to(q.device, q.dtype), q, k, v,
-                                  spec["causal"]) for name, (q, k, v) in inputs.items()}
+    inputs = {"random": (work.q, work.k, work.v),
+              "trained": approx.trained_inputs(spec["trained"], spec["n"], work.device)}
+    return {f"{who}_{name}": approx.error_of(strategy, q, k, v, spec["causal"]) for name, (q, k, v) in inputs.items()
+            for who, strategy in (("error", make(spec["setting"], q.size(-2), q.size(-1)).to(q.device, q.dtype)),
+                                  ("uniform", approx.uniform_attention))}
 
 
 def _ring_wait_share(work, step):
@@ -993,7 +993,7 @@ def predicted_mib(point, threads=None):
 
 NOISY = 1.25  # a point whose slowest repeat took over 1.25x its fastest is measured once more, then marked
 _FORMATS = {".3f": ("ms", "ms_min", "ms_max", "comm_ms"), ".1f": ("peak_mib", "rss_mib", "predicted_mib", "pct_matmul"),
-            ".4f": ("tflops", "pairs"), ".3e": ("error_random", "error_trained")}  # how a measured row is written
+            ".4f": ("tflops", "pairs"), ".3e": COLUMNS[-4:]}  # how a measured row is written (.3e: the errors)
 
 
 def spread(result):
@@ -1018,13 +1018,12 @@ def _measured_once_more(p, r, runner):
 
 
 def sweep(points, runner, log, done, ceiling, threads, say=print, predict_wall=False):
-    """Measure every point not in `done`; OOM stops that curve, any other error stops the run. A point
-    whose repeats spread wide is measured once more (_measured_once_more).
+    """Measure every point not in `done`; OOM stops that curve, any other error stops the run. A point whose
+    repeats spread wide is measured once more (_measured_once_more).
 
-    predict_wall: no limit holds the worker to its budget (an OS without RLIMIT_AS), so a point whose
-    predicted peak and inputs, times the model's band (BAND[1]: the most it may be off), exceed the
-    budget is recorded as out of memory without running (a point no model covers runs unguarded).
-    """
+    predict_wall: no limit holds the worker to its budget (an OS without RLIMIT_AS), so a point whose predicted
+    peak and inputs, times the model's band (BAND[1]: the most it may be off), exceed the budget is recorded
+    as out of memory without running (a point no model covers runs unguarded)."""
     stopped = set()  # (series, mode) that ran out of memory, or is unsupported, at a smaller n
     for i, p in enumerate(points, 1):
         base = {c: p.get(c, "") for c in COLUMNS}
@@ -1376,11 +1375,13 @@ def report(rows):
     if strategies:
         lines += ["", "## Approximate attention", "", "approximate_attention's strategies at the largest n each "
                   "reached, beside exact attention; error: ||out - exact|| / ||exact|| on the point's random q, k, v "
-                  "and on those of a layer trained on the reversal task (strided: the keys its pattern hides).", ""]
+                  "and on those of a layer trained on the reversal task, in brackets uniform attention's (every key "
+                  "alike: what knowing nothing of q and k gives).", ""]
+        error = lambda e, on: f"{e[f'error_{on}']} ({e.get(f'uniform_{on}') or '-'})" if e.get(f"error_{on}") else "-"
         lines += _table(["series", "mode", "largest n", "ms", "peak MiB", "error, random", "error, trained",
                          "memory exponent", "time exponent"], [
-            [s, mode, r["n"], f"{float(r['ms']):.1f}", f"{float(r['peak_mib']):.1f}", e.get("error_random") or "-",
-             e.get("error_trained") or "-", _exp(fits[(s, mode)]["memory"]), _exp(fits[(s, mode)]["time"])]
+            [s, mode, r["n"], f"{float(r['ms']):.1f}", f"{float(r['peak_mib']):.1f}", error(e, "random"),
+             error(e, "trained"), _exp(fits[(s, mode)]["memory"]), _exp(fits[(s, mode)]["time"])]
             for s, mode in strategies + [key for key in curves if key[0] in ("flash", "chunked")]
             for r in [curves[(s, mode)][-1]] for e in [_at(curves, s, "fwd", int(r["n"])) or {}]])
     alibis = [key for key, rs in curves.items() if str(rs[0].get("alibi")) == "True"]
