@@ -1495,6 +1495,23 @@ def test_memory_compressed_attention_is_its_formula(Lk, ratio, padded):
         torch.testing.assert_close(x, y, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("name", ["strided", "linear", "low_rank", "compressed"])
+def test_strategies_compile_to_one_graph_and_read_nothing_on_the_host(name):
+    # as the module's paths: fullgraph compile gives what eager gives, forward and backward, with a padding mask (and
+    # causality where the strategy takes it), and no tensor value is read on the host
+    torch.manual_seed(0)
+    module = STRATEGIES[name]().double()
+    causal = name in ("strided", "linear")
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 2, 37, 37, 16))
+    pad = mt.padding_mask(torch.tensor([37, 20]), 37)
+    fn = lambda q, k, v: module(q, k, v, attn_mask=pad, is_causal=causal)  # noqa: E731
+    want = forward_backward(fn, (q, k, v), list(module.parameters()))
+    assert host_reads(lambda: forward_backward(fn, (q, k, v), list(module.parameters()))) == []
+    torch._dynamo.reset()
+    got = forward_backward(torch.compile(fn, fullgraph=True, backend="aot_eager"), (q, k, v), list(module.parameters()))
+    assert_same(got, want)
+
+
 def test_error_of_is_the_relative_distance_from_exact_attention():
     # exact attention's own error is 0; uniform attention's is that of the values' plain average, written out here
     q, k, v = make_qkv(2, 3, 40, 40, 8)

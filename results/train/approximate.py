@@ -1,6 +1,6 @@
 """The approximate strategies, trained: the script that produced approximate.md.
 
-    python results/train/approximate.py       # from the repository root; about 10 min on 2 CPU cores
+    python results/train/approximate.py       # from the repository root; about 4 min on 2 CPU cores
 
 The reversal task (minitransformer.py's default model, optimiser and 1500 steps, seed 0: sequences of 4
 to 32 tokens, padded to 32), with every layer's attention replaced by one of approximate_attention.py's

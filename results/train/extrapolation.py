@@ -1,6 +1,6 @@
 """Train short, test long: the script that produced extrapolation.md and extrapolation.png.
 
-    python results/train/extrapolation.py      # from the repository root; about 10 min on 2 CPU cores
+    python results/train/extrapolation.py      # from the repository root; about 6 min on 2 CPU cores
 
 The tutorials' claim: where long text degrades, the positional encoding is to blame, and relative or
 rotary encodings are the fix. Measured here: minitransformer.py's default model and optimiser (2 layers,
