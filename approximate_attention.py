@@ -216,7 +216,7 @@ class LinearAttention(_Approximate):
 
 class LowRankAttention(_Approximate):
     """low_rank_attention with learned E and F (rank, max_len), shared by every head (the paper's headwise
-    sharing), started at the scale of its reference code (xavier_uniform, gain 1/sqrt(2): std
+    sharing), drawn normal at the scale of its reference code's xavier_uniform (gain 1/sqrt(2): std
     1/sqrt(max_len + rank)), so that E K and F V keep about the scale of K and V; the paper's theorem takes
     N(0, 1/rank), which scales them by sqrt(max_len / rank). A sequence of Lk <= max_len tokens takes the first
     Lk columns, and padded keys and values are zeroed before they are projected."""

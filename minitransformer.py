@@ -777,11 +777,12 @@ def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_
     # far rows as SDPA's math computes them, before a 16-bit copy can round them: wherever a fused kernel may
     # read the mask, or off the CPU its copy in q's dtype (the math kernel computes them right itself)
     user_float = attn_mask is not None and attn_mask.is_floating_point()
-    reach = q.size(-2) + k.size(-2)  # ALiBi's bias reaches -slope * reach: far on a CPU only for huge slopes
-    alibi_far = alibi_slopes is not None and (device_type != "cpu" or compiling
-                                              or _host_value(alibi_slopes.amax()) * reach >= _FAR)
+    # ALiBi's bias alone peaks at 0, on the diagonal; a mask, or queries past the last key (Lq > Lk), leave a
+    # row at -slope * distance, which only a 16-bit copy rounds (one key dominates there: never swamped)
+    alibi_far = alibi_slopes is not None and device_type != "cpu" and (attn_mask is not None
+                                                                       or q.size(-2) > k.size(-2))
     if (user_float or alibi_far) and (kernel != "math" or device_type != "cpu"):
-        mask, swamped = _far_rows(mask, can_look=device_type == "cpu" and not compiling)
+        mask, swamped = _far_rows(mask, device_type == "cpu" and not compiling, may_swamp=user_float)
         if swamped is not None:
             q, k, v = _switch_off_scores(q, k, v, swamped)
             kernel = ask(q, k, v, mask)
@@ -815,21 +816,22 @@ def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_
 _FAR, _SWAMPING = 2.0**24, 2.0**64
 
 
-def _far_rows(mask, can_look):
+def _far_rows(mask, can_look, may_swamp=True):
     """(mask, swamped): the float mask with every row whose largest finite bias is 2^24 or more from 0
-    shifted to a maximum of 0, and the rows (.., Lq, 1) whose largest bias is -2^64 or less (None if none).
-    can_look: a CPU outside torch.compile, where reading whether any row is far waits for no device, and
-    where the mask is copied only if one is. Elsewhere every finite row is shifted, which also keeps a row
-    of large, close biases apart in the 16-bit copy a fused CUDA kernel reads."""
+    shifted to a maximum of 0, and the rows (.., Lq, 1) whose largest bias is -2^64 or less (None if none,
+    or not may_swamp). can_look: a CPU outside torch.compile, where reading whether any row is far waits for
+    no device, and where the mask is copied only if one is. Elsewhere every finite row is shifted, which also
+    keeps a row of large, close biases apart in the 16-bit copy a fused CUDA kernel reads."""
     if torch.finfo(mask.dtype).max < _FAR:  # float16: no value is far
         return mask, None
     row_max = mask.detach().amax(-1, keepdim=True)  # (.., Lq, 1)
     finite = torch.isfinite(row_max)
     far, swamped = finite & (row_max.abs() >= _FAR if can_look else True), finite & (row_max <= -_SWAMPING)
+    swamped = swamped if may_swamp else None
     if can_look:
         if not _host_value(far.any()):
             return mask, None
-        swamped = swamped if _host_value(swamped.any()) else None
+        swamped = swamped if swamped is not None and _host_value(swamped.any()) else None
     return mask - torch.where(far, row_max, 0.0), swamped
 
 
@@ -876,7 +878,7 @@ def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, impl="flash",
               window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None):
     """Attention through impl: one of IMPLS, or a function with SDPA's arguments, window_size=, cu_seqlens=
-    and alibi_slopes= (ring_attention.ring_impl, approximate_attention's modules).
+    and, only where given, alibi_slopes= (ring_attention.ring_impl, approximate_attention's modules).
     q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv)."""
     kw = dict(window_size=window_size, cu_seqlens=cu_seqlens)
     kw |= {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}  # a function without it still runs
@@ -1042,9 +1044,9 @@ def alibi_slopes(n_heads, device=None):
     length, each head favouring keys within about 1/m_h of the query. For n heads a power of 2,
     m_h = 2^(-8h/n), h = 1 .. n; otherwise those of p, the largest power of 2 below n, then
     2^(-8(2h' - 1)/2p), h' = 1 .. n - p: every other one of 2p heads."""
-    if not (isinstance(n_heads, int) and n_heads >= 1):
+    if not (type(n_heads) is int and n_heads >= 1):
         raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
-    p, h = 2 ** int(math.log2(n_heads)), torch.arange(1, n_heads + 1, device=device, dtype=torch.float32)
+    p, h = 2 ** (n_heads.bit_length() - 1), torch.arange(1, n_heads + 1, device=device, dtype=torch.float32)
     return 2 ** -torch.where(h <= p, 8 * h / p, 8 * (2 * (h - p) - 1) / (2 * p))
 
 
