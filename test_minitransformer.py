@@ -750,6 +750,17 @@ def test_flash_never_falls_back_silently():
             mt.flash_attention(q, k, v, dropout_p=0.1)  # the only enabled kernel refuses dropout on CPU
 
 
+def sdpa_as_planned_for_cuda(q, k, v, mask, scale, kernel, alibi_slopes=None):
+    """(out, plan): what flash would hand a CUDA kernel (SDPA's choice faked as `kernel`), computed by SDPA here,
+    with the plan's dead rows zeroed and its second half of the head dimension dropped."""
+    call = mt._sdpa_plan(q, k, v, mask, 0.0, False, scale, None, None, device_type="cuda",
+                         choose=lambda *args: kernel, alibi_slopes=alibi_slopes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = F.scaled_dot_product_attention(call.q, call.k, call.v, call.mask, scale=scale)[..., :v.size(-1)]
+    return (out if call.dead is None else out.masked_fill(call.dead, 0.0)), call
+
+
 @pytest.mark.parametrize("kernel", ["efficient", "cudnn", "math", "unknown"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_flash_plans_what_each_cuda_kernel_gets(kernel, dtype):
@@ -769,13 +780,8 @@ def test_flash_plans_what_each_cuda_kernel_gets(kernel, dtype):
     scale = 32 ** -0.5
 
     def planned(q, k, v, b):
-        call = mt._sdpa_plan(q, k, v, b, 0.0, False, scale, None, None, device_type="cuda",
-                             choose=lambda *args: kernel)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = F.scaled_dot_product_attention(call.q, call.k, call.v, call.mask, scale=scale)[..., :32]
-        planned.call = call
-        return out if call.dead is None else out.masked_fill(call.dead, 0.0)
+        out, planned.call = sdpa_as_planned_for_cuda(q, k, v, b, scale, kernel)
+        return out
     dead = torch.isneginf(bias).all(-1, keepdim=True)
     want = grads_of(lambda q, k, v, b: reference(q, k, v, bias=b), q, k, v, dout, bias.double())
     low = [t.to(dtype) for t in (q, k, v, dout)]
@@ -1309,11 +1315,9 @@ def test_flash_plans_alibi_rows_far_from_their_keys_for_cuda(kernel, dtype):
     bias = alibi_bias(slopes, 2048, 32, 1, 2)  # (1, 2, 2048, 32) float64
 
     def planned(q, k, v):
-        call = mt._sdpa_plan(q, k, v, None, 0.0, False, scale, None, None, device_type="cuda",
-                             choose=lambda *args: kernel, alibi_slopes=mt._check_alibi(slopes, q))
+        out, call = sdpa_as_planned_for_cuda(q, k, v, None, scale, kernel, mt._check_alibi(slopes, q))
         assert call.mask.dtype == dtype and call.q.size(-1) == 32  # a 16-bit copy; no second half: never swamped
-        out = F.scaled_dot_product_attention(call.q, call.k, call.v, call.mask, scale=scale)[..., :32]
-        return out if call.dead is None else out.masked_fill(call.dead, 0.0)
+        return out
     want = grads_of(lambda q, k, v: reference(q, k, v, bias=bias), q, k, v, dout)
     low = [t.to(dtype) for t in (q, k, v, dout)]
     std = grads_of(lambda q, k, v: attention_ref(q, k, v, bias.float()), *low)
@@ -1360,6 +1364,12 @@ def test_chunked_alibi_saves_no_quadratic_tensor():
 # formulas written out densely in float64 here (a loop over windows for the convolution); forward and gradients.
 
 
+def hard_padding(L):
+    """(3, 1, 1, L) key-padding masks: right padding, left padding (with causality the first queries see no key)
+    and a row of padding alone, whose queries see none."""
+    return torch.stack([torch.arange(L) < 11, torch.arange(L) >= 7, torch.zeros(L, dtype=torch.bool)])[:, None, None]
+
+
 def strided_pattern(L, stride, causal):
     """(L, L) bool: |i - j| < stride or (i - j) mod stride == 0, and j <= i if causal; by the test's own loop."""
     keep = torch.zeros(L, L, dtype=torch.bool)
@@ -1387,7 +1397,7 @@ def test_strided_attention_hides_padded_keys(causal):
     # padding alone, whose queries get 0
     L, stride = 37, 6
     q, k, v, dout = make_qkv(3, 3, L, L, 8) + (torch.randn(3, 3, L, 8, dtype=torch.float64),)
-    keys = torch.stack([torch.arange(L) < 11, torch.arange(L) >= 7, torch.zeros(L, dtype=torch.bool)])[:, None, None]
+    keys = hard_padding(L)
     got = grads_of(lambda q, k, v: approx.strided_attention(q, k, v, stride, causal, keys=keys), q, k, v, dout)
     want = grads_of(lambda q, k, v: reference(q, k, v, strided_pattern(L, stride, causal) & keys), q, k, v, dout)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
@@ -1404,7 +1414,7 @@ def test_strategies_give_a_query_without_keys_zero_not_nan(name, causal):
         pytest.skip("memory-compressed attention mixes later keys into a window: not causal")
     L = 23
     q, k, v, dout = make_qkv(3, 2, L, L, 16) + (torch.randn(3, 2, L, 16, dtype=torch.float64),)
-    keys = torch.stack([torch.arange(L) < 11, torch.arange(L) >= 7, torch.zeros(L, dtype=torch.bool)])[:, None, None]
+    keys = hard_padding(L)
     module = approx.LinearAttention() if name == "linear" else approx.CompressedAttention(16, 4).double()
     got = grads_of(lambda q, k, v: module(q, k, v, attn_mask=keys, is_causal=causal), q, k, v, dout)
     assert all(torch.isfinite(g).all() for g in got)
