@@ -223,7 +223,7 @@ def _r(x, multiple):
     return -(-x // multiple) * multiple
 
 
-def flash_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, kernel, masked, threads=1, alibi=0):
+def flash_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, kernel, masked, threads=1, alibi=0, packs=False):
     """SDPA's fused kernels (kernel: "cpu", or on CUDA "flash", "efficient", "cudnn"), from what their
     source allocates (PyTorch's aten/src/ATen/native/, transformers/ and cpu/):
 
@@ -232,8 +232,10 @@ def flash_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, kernel, masked, threads=1,
     - CPU (cpu/FlashAttentionKernel.cpp): `threads` buffers of a (qs, ks) block of scores with its row
       max, sum and output rows, float32 (qs = 32, 64 or 256 query rows as Lq grows, ks = 512 keys), and
       for 16-bit inputs the block in their dtype; the backward holds a P and a dP block per thread and
-      copies dout into the (B, Lq, H, Dv) layout it computes in. On CPUs with AMX (Sapphire Rapids on) it
-      also packs 16-bit K and V into copies of their size, which are not modelled: none has run here.
+      copies dout into the (B, Lq, H, Dv) layout it computes in. `packs`: a CPU whose AMX computes the
+      dtype (bfloat16 from Sapphire Rapids on, float16 from Granite Rapids on) packs K and V for it in the
+      forward when Lq and Lk reach 64 (measured on this project's Xeon): copies of their size, and per thread a
+      (ks, Dv) block in the dtype. The 16-bit backward's scratch there (some hundred KiB a thread) is not modelled.
     - CUDA, read from the source and not yet checked on a GPU. flash (cuda/flash_attn/flash_api.cpp):
       the backward copies dout into its layout and accumulates dQ in float32 (B, Lq rounded to 128, H, D
       rounded to 32) beside softmax_d. efficient (cuda/mem_eff_attention): the logsumexp padded to 32
@@ -255,6 +257,8 @@ def flash_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, kernel, masked, threads=1,
         per_thread = (qs * ks + 2 * qs + qs * Dv) * 4 + low * qs * ks * itemsize
         fwd = {"out (B, H, Lq, Dv)": out, "logsumexp (B, H, Lq) float32": lse, **mask,
                "per-thread blocks (qs, ks) and rows": threads * per_thread}
+        if packs and min(Lq, Lk) >= 64:
+            fwd["K, V packed for AMX, and a (ks, Dv) block per thread"] = (B * H * Lk * (D + Dv) + threads * ks * Dv) * itemsize
         bwd = {"out (B, H, Lq, Dv)": out, "logsumexp (B, H, Lq) float32": lse, **mask, **grads,
                "per-thread P and dP blocks": threads * 2 * qs * ks * (4 + low * itemsize)}
     else:
@@ -298,6 +302,12 @@ def ring_memory(B, H, n, D, Dv, itemsize, mode, P, cq, ck, copies=False):
         base["out in the inputs' dtype"] = B * H * shard * Dv * itemsize
     passing = {**base, "K, V blocks": min(P - 1, 3) * kv, "dK, dV blocks float32": 4 * dkv}
     return _heaviest(passing, {**base, "K, V blocks": min(P - 1, 2) * kv, "dK, dV blocks float32": 3 * dkv, **blocks})
+
+
+def amx_packs(dtype):
+    """Whether this machine's CPU has AMX for dtype, with which SDPA's CPU kernel packs K and V (flash_memory)."""
+    check = {"bfloat16": "_is_amx_tile_supported", "float16": "_is_amx_fp16_supported"}.get(dtype)
+    return bool(check and getattr(torch.cpu, check, lambda: False)())
 
 
 def _masked(point):
@@ -344,7 +354,7 @@ def predicted_terms(point, threads=None):
         terms = ring_memory(B, H, n, D, D, itemsize, mode, p["world"], *chunk_sizes({**p, "chunk_size": None}), copies)
     elif p["path"] in ("flash", *SDPA_SERIES) and (kernel := sdpa_kernel(p)):
         terms = flash_memory(B, H, n, n, D, D, itemsize, mode, kernel, _masked(p), threads or torch.get_num_threads(),
-                             alibi)
+                             alibi, cpu and amx_packs(p["dtype"]))
     else:
         return None
     return terms if cpu else {name: _r(size, 512) for name, size in terms.items()}

@@ -2630,7 +2630,8 @@ def test_memory_model_predicts_the_allocators_peak():
             terms = study.chunked_memory(B, H, L, L, D, Dv, itemsize, mode, *kw.get("chunk_size", (256, 256)),
                                          docs=bool(kw.get("docs")), copies=itemsize < 4, alibi=alibi)
         else:
-            terms = study.flash_memory(B, H, L, L, D, Dv, itemsize, mode, "cpu", study._masked(point), threads, alibi)
+            terms = study.flash_memory(B, H, L, L, D, Dv, itemsize, mode, "cpu", study._masked(point), threads, alibi,
+                                       study.amx_packs(dtype))
         measured = _measured_peak_mib(path, mode, B, H, L, D, Dv, dtype, **kw)
         assert 0.97 < measured / (sum(terms.values()) / 2**20) < 1.03, (path, mode, L, dtype, kw, measured, terms)
 
