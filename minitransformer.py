@@ -186,693 +186,11 @@ def _blocks(L, size):
 
 
 # -----------------------------------------------------------------------------
-# The hardened paths. Each computes what the core computes, with everything real use asks for, and the
-# tests prove it equal to the core. All three take the arguments and conventions of
-# F.scaled_dot_product_attention (SDPA), with the core's shapes, plus:
-# - a float attn_mask is added to the scores, and only -inf masks a key; integer masks are refused, as
-#   SDPA refuses them; is_causal with an attn_mask applies both (SDPA refuses the pair);
-# - window_size=w: query i sees keys with |i - j| <= w (with is_causal: 0 <= i - j <= w);
-# - cu_seqlens, packed documents (self-attention): query i sees only the keys of its own document;
-# - dropout_p, scale, and under autocast float32 q, k, v computed and returned in autocast's dtype;
-# - in float16 and bfloat16 FlashAttention's rule: an error against float64 at most twice that of
-#   standard attention computed in the inputs' dtype;
-# - torch.compile(fullgraph=True), and no tensor value read on the host in forward or backward.
+# The model: multi-head attention, positional encodings, the encoder layer, the config and the encoder.
+# Its attention goes through attention(), which runs a path of the appendix (impl=) or a function of yours.
 
 IMPLS = ("naive", "chunked", "flash")
 POS_ENCODINGS = ("sinusoidal", "learned", "rope", "alibi")
-
-# Masks: which keys a query sees, and ALiBi's bias. One visibility rule (causality, window, documents,
-# attn_mask, ALiBi) serves every path: naive and flash ask mask_block for the whole score matrix, chunked
-# for one block at a time, visiting only the key blocks that the rule leaves visible (_key_blocks).
-
-
-def causal_mask(Lq, Lk=None, device=None):
-    """Boolean (Lq, Lk) mask, True where key j <= query i (SDPA's top-left alignment)."""
-    Lk = Lq if Lk is None else Lk
-    return torch.ones(Lq, Lk, dtype=torch.bool, device=device).tril()
-
-
-def padding_mask(lengths, max_len, device=None):
-    """Boolean (B, 1, 1, max_len) mask, True on the first lengths[b] keys of sequence b.
-
-    It broadcasts over heads and queries, on the device of lengths (or `device`). nn.MultiheadAttention's
-    key_padding_mask is its negation: ~padding_mask(lengths, L)[:, 0, 0]."""
-    lengths = torch.as_tensor(lengths, device=device)
-    if lengths.dim() != 1 or lengths.dtype.is_floating_point:
-        raise ValueError(f"lengths must be a 1-D integer tensor, got {tuple(lengths.shape)} {lengths.dtype}")
-    _check_range(lengths, 0, max_len + 1, "lengths")
-    keep = torch.arange(max_len, device=lengths.device) < lengths[:, None]  # (B, L)
-    return keep[:, None, None, :]  # (B, 1, 1, L)
-
-
-def documents(cu_seqlens, L, device=None):
-    """Packed rows: (doc_ids, positions), two (L,) int64 tensors, the document of every position and
-    its position inside that document.
-
-    cu_seqlens: the CPU offsets [0, l_1, l_1 + l_2, ..., L] of a row's documents (FlashAttention's varlen
-    convention), empty ones allowed. Computed on the CPU, where cu_seqlens lives, and copied to a GPU pinned
-    and non-blocking, so that the host never waits (under torch.compile the copy is the compiler's own, not
-    pinned here)."""
-    _check_cu_seqlens(cu_seqlens, L)
-    doc = torch.bucketize(torch.arange(L), cu_seqlens[1:], right=True)  # document ends <= p: p's document
-    both = torch.stack([doc, torch.arange(L) - cu_seqlens[doc]])  # (2, L)
-    if torch.device(device or "cpu").type == "cuda" and not torch.compiler.is_compiling():
-        both = both.pin_memory()
-    return both.to(device, non_blocking=True).unbind()
-
-
-def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, doc_ids=None, offsets=None,
-               alibi_slopes=None, scores=None, device=None):
-    """The mask of scores[..., rows, cols] (rows, cols: slices of query and key positions).
-
-    Returns a bool mask (True = keep), a float mask (added to the scores), or None (keep every key),
-    broadcastable to (B, H, rows, cols). Causality, the window and documents are built from positions, and
-    only for a block that straddles the diagonal, the window's edge or a document boundary. doc_ids: the (L,)
-    document of every position (documents()); offsets: cu_seqlens as a list, where the host knows it, to tell
-    the blocks inside one document, which need no document mask. alibi_slopes (B or 1, H, 1, 1): ALiBi's bias,
-    -slope * |i - j| in the slopes' dtype (the same within a document), joins the mask; or, given the block's
-    scores (B, H, rows, cols), S_ij -= slope * |i - j| in place, with no block of its own."""
-    q0, q1, k0, k1 = rows.start, rows.stop, cols.start, cols.stop
-    causal = is_causal and k1 - 1 > q0  # some key lies after some query
-    local = window_size is not None and (k1 - 1 - q0 > window_size or q1 - 1 - k0 > window_size)
-    # a boundary b cuts the block where min(q0, k0) < b < max(q1, k1): bisect_right counts the offsets at
-    # or before min(q0, k0), bisect_left those before max(q1, k1); where they differ, b lies between
-    cut = doc_ids is not None and (offsets is None or bisect.bisect_right(offsets, min(q0, k0))
-                                < bisect.bisect_left(offsets, max(q1, k1)))
-    keep = doc_ids[rows, None] == doc_ids[None, cols] if cut else None  # (rows, cols): the same document
-    if causal or local:
-        i = torch.arange(q0, q1, device=device)[:, None]  # (rows, 1)
-        j = torch.arange(k0, k1, device=device)[None, :]  # (1, cols)
-        if causal:
-            keep = j <= i if keep is None else keep & (j <= i)
-        if local:  # compared, never subtracted: i - j would be an int64 (rows, cols) temporary
-            near = (j >= i - window_size) & (j <= i + window_size)
-            keep = near if keep is None else keep & near
-    if alibi_slopes is not None:  # the bias, with what keep and the attn_mask hide at -inf
-        i, j = (torch.arange(a, b, device=device, dtype=alibi_slopes.dtype) for a, b in ((q0, q1), (k0, k1)))
-        distance = (j - i[:, None]).abs_()  # (rows, cols)
-        if scores is not None:
-            scores.addcmul_(alibi_slopes, distance, value=-1)  # S -= slope * |i - j|: no product block made
-        else:
-            bias = alibi_slopes * distance.neg_()  # (B or 1, H, rows, cols)
-            keep = bias if keep is None else bias.masked_fill_(~keep, float("-inf"))
-    if attn_mask is None:
-        return keep
-    m = attn_mask  # sliced only where it does not broadcast and the block is not all of it
-    if m.size(-2) not in (1, q1 - q0):
-        m = m[..., rows, :]
-    if m.size(-1) not in (1, k1 - k0):
-        m = m[..., cols]
-    if keep is None:
-        return m
-    if keep.is_floating_point():  # ALiBi's bias
-        return keep.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else keep + m  # may broadcast
-    return m & keep if m.dtype == torch.bool else m.masked_fill(~keep, float("-inf"))
-
-
-def _key_blocks(rows, Lk, ck, is_causal, window_size, offsets=None):
-    """Slices of the key blocks of size ck that queries `rows` can see: blocks that causality, the window
-    or documents (offsets: cu_seqlens as a list) hide are never computed, and the visited range is cut
-    to the visible keys."""
-    lo, hi = 0, Lk
-    if is_causal:
-        hi = min(hi, rows.stop)  # keys j <= i < rows.stop
-    if window_size is not None:
-        lo, hi = max(lo, rows.start - window_size), min(hi, rows.stop + window_size)
-    if offsets is not None:  # from the start of the first query's document to the end of the last query's:
-        lo = max(lo, offsets[bisect.bisect_right(offsets, rows.start) - 1])  # the last offset <= rows.start
-        hi = min(hi, offsets[bisect.bisect_left(offsets, rows.stop)])  # the first offset >= rows.stop
-    return [slice(k0, min(k0 + ck, hi)) for k0 in range(lo, hi, ck)]
-
-
-def _apply_mask(scores, mask):
-    """scores with a mask_block mask applied: -inf where a bool mask is False (never -1e9: it
-    overflows float16), the bias of a float mask added in float32 or wider (a finfo.min bias
-    plus a negative score would overflow float16 to -inf); in place where the dtype allows."""
-    if mask is None:
-        return scores
-    if mask.dtype == torch.bool:
-        return scores.masked_fill_(~mask, float("-inf"))
-    wide = torch.promote_types(torch.promote_types(scores.dtype, mask.dtype), torch.float32)
-    return scores.add_(mask) if scores.dtype == wide else scores.to(wide) + mask
-
-
-def _finite_bias(bias, dtype, scale=1.0):
-    """bias * scale in dtype, clamped to dtype's finite range, -inf kept -inf. Without the clamp a finite
-    value such as finfo(float32).min (Hugging Face's "masked") would overflow to -inf in a narrower
-    dtype, or when multiplied by log2(e), and so mask its key: only -inf may do that."""
-    finfo = torch.finfo(dtype)
-    wide = bias.to(torch.promote_types(bias.dtype, dtype)) * scale
-    return wide.clamp(finfo.min, finfo.max).to(dtype).masked_fill(torch.isneginf(bias), float("-inf"))
-
-
-def _reopen_dead_rows(mask):
-    """(mask, dead): a row with every key masked would make softmax 0/0 = NaN, forward and
-    backward; it is let to attend to every key instead, and `dead` (.., Lq, 1) marks it, for
-    the caller to zero its output (which also zeroes its gradients)."""
-    if mask.dtype == torch.bool:
-        dead = ~mask.any(-1, keepdim=True)
-        return mask | dead, dead
-    dead = torch.isneginf(mask).all(-1, keepdim=True)
-    return mask.masked_fill(dead, 0.0), dead
-
-
-def _sdpa_conventions(q, k, v, scale):
-    """What SDPA does before it computes, and so every path: scale = 1/sqrt(D) unless given, and under
-    autocast float32 q, k, v are cast to autocast's dtype (SDPA is on autocast's lower-precision list)."""
-    if q.dtype == torch.float32 and torch.is_autocast_enabled(q.device.type):
-        dtype = torch.get_autocast_dtype(q.device.type)
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    return q, k, v, 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
-
-
-# -----------------------------------------------------------------------------
-# naive: standard_attention with every convention above, and the weights it used. Like the core's, it
-# materialises the (Lq, Lk) scores.
-
-
-def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, window_size=None,
-                    cu_seqlens=None, alibi_slopes=None):
-    """Attention(Q, K, V) = softmax(Q K^T * scale + M) V,  scale = 1/sqrt(D) by default.
-
-    Returns out (B, H, Lq, Dv) and the weights (B, H, Lq, Lk) it used, after dropout, so that
-    out == weights @ v. Standard attention as it is written: computed in the inputs' dtype (softmax
-    accumulates in float32 inside), a float mask (and ALiBi's bias, built whole) added in float32 or wider."""
-    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
-    Lq, Lk = q.size(-2), k.size(-2)
-    doc_ids = None if cu_seqlens is None else documents(cu_seqlens, Lq, q.device)[0]
-    mask = mask_block(attn_mask, slice(0, Lq), slice(0, Lk), is_causal=is_causal, window_size=window_size,
-                      doc_ids=doc_ids, alibi_slopes=_check_alibi(alibi_slopes, q), device=q.device)
-    dead = None
-    if mask is not None:
-        mask, dead = _reopen_dead_rows(mask)
-    with _no_autocast(q):  # the inputs' dtype decides, as in any function
-        scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Lq, Lk)
-        weights = torch.softmax(_apply_mask(scores, mask), dim=-1).to(v.dtype)
-        if dead is not None:
-            weights = weights.masked_fill(dead, 0.0)
-        if dropout_p > 0.0:
-            weights = F.dropout(weights, dropout_p)  # kept weights scaled by 1/(1-p): same expectation
-        return weights @ v, weights
-
-
-# -----------------------------------------------------------------------------
-# chunked: blockwise_attention with every convention above, FlashAttention-2's precision recipe for
-# 16-bit inputs, dropout that the backward regenerates, blocks that windows and documents hide skipped,
-# and one custom operator for torch.compile.
-#
-# As in the core, each block of query rows visits the key blocks (cols) it sees, keeping per query m,
-# l and o, and out = o / l at the end. Beside the per-query statistics a few (cq, ck) blocks of scores
-# are alive at once: two in the forward and four in the backward (P, dP, dS), since a block lives until
-# its name is rebound, so step j's blocks are made while step j - 1's still exist (study.py counts
-# them). Scores are kept in base 2, exp(x) = exp2(x * log2(e)), as FlashAttention does on a GPU, where exp2
-# is the native instruction; here it costs the same as exp, and log2(e) rides in the scale of the
-# product that makes S.
-
-LOG2E = math.log2(math.e)
-
-
-def attend_block(q, k, v, rows, o, m, l, opts):
-    """The forward's block update: queries `rows` against every key block j they see.
-
-        S_j = Q K_j^T * scale * log2(e) + M_j * log2(e)      (M_j: the block's mask, clamped finite but -inf)
-        m' = max(m, rowmax(S_j)),   P_j = exp2(S_j - m'),   alpha = exp2(m - m'),
-        l' = alpha * l + rowsum(P_j),   o' = alpha * o + (Z_j * P_j) V_j
-
-    Z_j is dropout's keep-mask (all ones without dropout); l counts the dropped weights too, so
-    that out = o / (l * (1 - p)) keeps the expectation. o (B, H, rows, Dv), m and l (B, H, rows, 1),
-    float32 (float64 for float64), are updated in place; opts: block_options.
-    """
-    for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size, opts.offsets):
-        s = _scores(q, k, rows, cols, opts)  # (B, H, cq, ck)
-        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-        # a row masked so far has m_new = -inf, and exp2(-inf - (-inf)) = NaN: the lowest
-        # finite value makes it exp2(-inf) = 0 and changes no other row
-        m_safe = m_new.clamp(min=torch.finfo(m.dtype).min)
-        p = s.sub_(m_safe).exp2_()  # P_j, in place: no second block-sized buffer
-        alpha = torch.exp2(m - m_safe)
-        l.mul_(alpha).add_(p.sum(-1, keepdim=True))
-        if opts.dropout_p > 0.0:
-            _drop(p, _keep_bits(opts.row_hash[:, :, rows], opts.col_hash[cols], opts.dropout_p))
-        o.mul_(alpha).add_(_matmul(p.to(v.dtype), v[:, :, cols]))  # P rounded to the inputs' dtype
-        m.copy_(m_new)
-
-
-def chunked_forward(q, k, v, opts, cq):
-    """The forward: every block of cq query rows starts from m = -inf, l = 0, o = 0, visits its key
-    blocks (attend_block), and ends as out = o / (l * (1 - p)). Returns out (B, H, Lq, Dv) and per
-    query m and log2(l), (B, H, Lq, 1), float32 or wider, for the backward (kept apart: a finfo.min
-    bias makes m so large that m + log2(l) would round to m); a query with every key masked gets
-    out = 0 and m = +inf, so that its recomputed P is 0."""
-    B, H, Lq, _ = q.shape
-    acc_dtype = torch.promote_types(q.dtype, torch.float32)
-    out = q.new_empty(B, H, Lq, v.size(-1))
-    m_all, log2_l = (q.new_empty(B, H, Lq, 1, dtype=acc_dtype) for _ in range(2))
-    for rows in _blocks(Lq, cq):
-        m = q.new_full((B, H, rows.stop - rows.start, 1), float("-inf"), dtype=acc_dtype)
-        l = torch.zeros_like(m)
-        o = q.new_zeros(B, H, rows.stop - rows.start, v.size(-1), dtype=acc_dtype)
-        attend_block(q, k, v, rows, o, m, l, opts)
-        dead = l == 0  # every key masked
-        out[:, :, rows] = o / (l.masked_fill(dead, 1.0) * (1.0 - opts.dropout_p))
-        m_all[:, :, rows] = m.masked_fill(dead, float("inf"))
-        log2_l[:, :, rows] = torch.log2(l.masked_fill(dead, 1.0))
-    return out, m_all, log2_l
-
-
-def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask, opts):
-    """The backward's block update: queries `rows` against every key block j they see.
-
-        P_j = exp2(S_j - m - log2(l))      (the forward's probabilities, recomputed)
-        dV_j += (Z_j * P_j)^T dO,   dP_j = Z_j * (dO V_j^T) / (1 - p),   dS_j = P_j * (dP_j - rowsum(dO * O)),
-        dQ += dS_j K_j,   dK_j += dS_j^T Q,   dM_j = dS_j (a float mask)
-
-    dq, dk, dv (float32) are added to in place, dq and dk without the scale and dv without
-    1 / (1 - p) (both applied once, at the end), and dmask, a float mask's gradient, when it is not
-    None. The loop runs in the forward's order, query blocks outside, adding into dK and dV across
-    them. FlashAttention-2's Algorithm 2 loops the other way, key blocks outside, so that dK_j and
-    dV_j stay on chip and dQ is added to in memory instead.
-    """
-    dout_i = dout[:, :, rows]  # (B, H, cq, Dv)
-    m, log2_l = m[:, :, rows], log2_l[:, :, rows]  # (B, H, cq, 1)
-    delta = (dout_i.to(m.dtype) * out[:, :, rows].to(m.dtype)).sum(-1, keepdim=True)  # rowsum(dO * O)
-    for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size, opts.offsets):
-        p = _scores(q, k, rows, cols, opts).sub_(m).sub_(log2_l).exp2_()  # P_j
-        dp = _matmul(dout_i, v[:, :, cols].transpose(-2, -1))  # (B, H, cq, ck)
-        p_dropped = p
-        if opts.dropout_p > 0.0:  # the forward's mask
-            keep = _keep_bits(opts.row_hash[:, :, rows], opts.col_hash[cols], opts.dropout_p)
-            p_dropped = _drop(p.clone(), keep)
-            _drop(dp, keep).mul_(1.0 / (1.0 - opts.dropout_p))
-        dv[:, :, cols] += _matmul(p_dropped.to(q.dtype).transpose(-2, -1), dout_i)
-        ds = p.mul_(dp.sub_(delta))  # dS_j
-        ds_low = ds.to(q.dtype)  # rounded to the inputs' dtype for the products, as P is
-        dq[:, :, rows] += _matmul(ds_low, k[:, :, cols])
-        dk[:, :, cols] += _matmul(ds_low.transpose(-2, -1), q[:, :, rows])
-        if dmask is not None:  # the mask is added to the scores: its gradient is dS, summed where broadcast
-            dm = dmask[..., rows if dmask.size(-2) != 1 else slice(None), :]
-            dm = dm[..., cols] if dmask.size(-1) != 1 else dm
-            dm += ds.sum_to_size(dm.shape)
-
-
-def chunked_backward(dout, q, k, v, out, m, log2_l, dq, dk, dv, dmask, opts, cq):
-    """The backward: every block of cq query rows adds its share (attend_block_backward) into dq, dk,
-    dv (zeros, float32, shaped as q, k, v) and into dmask (a float mask's gradient, float32, shaped as
-    the mask) unless None; then the scale and 1 / (1 - p). Returns dq, dk, dv in the inputs' dtype."""
-    for rows in _blocks(q.size(-2), cq):
-        attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask, opts)
-    dv.mul_(1.0 / (1.0 - opts.dropout_p))
-    return dq.mul_(opts.scale).to(q.dtype), dk.mul_(opts.scale).to(k.dtype), dv.to(v.dtype)
-
-
-def default_chunk_size(device):
-    """(query block, key block). CPU: the best of the sizes measured (results/README.md, "The chunked path");
-    elsewhere a guess that keeps kernel launches few, not yet measured."""
-    return (256, 256) if torch.device(device).type == "cpu" else (512, 512)
-
-
-def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
-                      window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None):
-    """softmax(Q K^T * scale + M) V, the same result as naive_attention, in O(L) memory.
-
-    chunk_size: int or (query block, key block); None: default_chunk_size. Blocks that is_causal, window_size
-    or the documents of cu_seqlens hide are skipped; ALiBi's bias is made block by block. Gradients flow to q,
-    k, v and to a float attn_mask that requires grad. Dropout's seed is drawn from the device's generator."""
-    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
-    cq, ck = _chunks(default_chunk_size(q.device) if chunk_size is None else chunk_size)
-    seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
-    alibi_slopes = _check_alibi(alibi_slopes, q)
-    out, _m, _log2_l = _chunked_fwd(q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p, is_causal,
-                                    scale, window_size, cq, ck)  # m and log2(l): for the backward
-    return out
-
-
-# The plumbing of the chunked path: the forward and the backward as custom operators, so that
-# torch.compile sees one call with known output shapes and never unrolls the block loops; what
-# the block updates share; the products' precision; dropout's hash.
-
-
-@dataclass
-class BlockOptions:
-    """What every block update of one call shares (block_options)."""
-    scale: float
-    is_causal: bool
-    window_size: Optional[int]
-    ck: int  # key block size
-    mask: Optional[torch.Tensor]  # the attn_mask (a float one is taken to base 2 block by block: _scores)
-    dropout_p: float
-    row_hash: Optional[torch.Tensor]  # dropout: hashes of the rows (b, h, i), (B, H, Lq, 1), int32
-    col_hash: Optional[torch.Tensor]  # and of the key columns j, (Lk,)
-    doc_ids: Optional[torch.Tensor] = None  # packed rows: the document of every position, (L,) (documents())
-    offsets: Optional[list] = None  # and their cu_seqlens, read on the host (a CPU tensor: no sync)
-    alibi_slopes: Optional[torch.Tensor] = None  # (B or 1, H, 1, 1), in base 2
-
-
-def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens=None,
-                  alibi_slopes=None):
-    hashes = _dropout_hashes(seed, *q.shape[:3], k.size(-2)) if dropout_p > 0.0 else (None, None)
-    opts = BlockOptions(scale, is_causal, window_size, ck, attn_mask, dropout_p, *hashes)
-    if cu_seqlens is not None:
-        opts.doc_ids, opts.offsets = documents(cu_seqlens, q.size(-2), q.device)[0], cu_seqlens.tolist()
-    opts.alibi_slopes = None if alibi_slopes is None else alibi_slopes * LOG2E  # in base 2, as the scores
-    return opts
-
-
-def _autocast_off(op):
-    """Run op with autocast disabled: autocast reaches the products inside a custom op and would
-    round them to 16 bits (and the backward, run outside autocast, would then disagree)."""
-    @functools.wraps(op)
-    def run(*args, **kwargs):
-        with torch.autocast(args[0].device.type, enabled=False):
-            return op(*args, **kwargs)
-    return run
-
-
-# The operators' namespace is the module's own name: a copy of this file imported under another name
-# (beside an installed minitransformer) registers operators of its own, never replacing these (one
-# imported under the same name, as importlib.reload does, replaces them).
-_OPS = re.sub(r"\W", "_", __name__)
-
-
-@torch.library.custom_op(f"{_OPS}::chunked_attention_fwd", mutates_args=())
-@_autocast_off
-def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
-                 seed: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-                 alibi_slopes: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
-                 window_size: Optional[int], cq: int, ck: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """chunked_forward as an operator: out, m, log2(l)."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # every block a view, never a copy
-    return chunked_forward(q, k, v, block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale,
-                                                  window_size, ck, cu_seqlens, alibi_slopes), cq)
-
-
-@torch.library.custom_op(f"{_OPS}::chunked_attention_bwd", mutates_args=())
-@_autocast_off
-def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 m: torch.Tensor, log2_l: torch.Tensor, attn_mask: Optional[torch.Tensor],
-                 seed: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-                 alibi_slopes: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
-                 window_size: Optional[int], cq: int, ck: int, mask_grad: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """chunked_backward as an operator: dq, dk, dv, and a float attn_mask's gradient when mask_grad
-    (else an empty tensor)."""
-    grads = [torch.zeros_like(t, dtype=m.dtype) for t in (q, k, v)]  # laid out as q, k, v (register_fake)
-    dmask = torch.zeros_like(attn_mask, dtype=m.dtype) if mask_grad else None
-    dout, q, k, v = dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous()
-    opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens,
-                         alibi_slopes)
-    dq, dk, dv = chunked_backward(dout, q, k, v, out, m, log2_l, *grads, dmask, opts, cq)
-    return dq, dk, dv, dmask.to(attn_mask.dtype) if mask_grad else q.new_empty(0)
-
-
-@_chunked_fwd.register_fake
-def _(q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p, is_causal, scale, window_size, cq, ck):
-    stats = q.new_empty(*q.shape[:-1], 1, dtype=torch.promote_types(q.dtype, torch.float32))
-    return q.new_empty(*q.shape[:-1], v.size(-1)), stats, torch.empty_like(stats)
-
-
-@_chunked_bwd.register_fake
-def _(dout, q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p, is_causal, scale,
-      window_size, cq, ck, mask_grad):
-    dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
-
-
-def _chunked_save(ctx, inputs, output):
-    q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, *options = inputs
-    ctx.save_for_backward(q, k, v, *output, attn_mask, seed, cu_seqlens, alibi_slopes)  # out, m, log2 l
-    ctx.options = options  # dropout_p, is_causal, scale, window_size, cq, ck
-
-
-def _chunked_grad(ctx, dout, _dm, _dlog2_l):
-    q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens, alibi_slopes = ctx.saved_tensors
-    mask_grad = ctx.needs_input_grad[3]  # a float mask that requires grad: a learned bias (T5)
-    dq, dk, dv, dmask = _chunked_bwd(dout, q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens, alibi_slopes,
-                                     *ctx.options, mask_grad)
-    return dq, dk, dv, dmask if mask_grad else None, *[None] * 9
-
-
-_chunked_fwd.register_autograd(_chunked_grad, setup_context=_chunked_save)
-
-_BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(a, b, out_dtype=...), CUDA
-
-
-def _matmul(a, b, alpha=1.0):
-    """alpha * (a @ b) for a (B, H, m, k) and b (B, H, k, n), in float32 (float64 for float64).
-
-    FlashAttention-2's precision: the operands are multiplied in the inputs' dtype and the
-    products accumulated in float32, as tensor cores do; on CUDA by bmm(..., out_dtype=float32);
-    elsewhere float16 and bfloat16 are converted to float32 first, which is exact, so a CPU
-    computes what a GPU does (up to the order of the sums).
-    """
-    if a.dtype in (torch.float16, torch.bfloat16):
-        if a.is_cuda and _BMM_OUT_DTYPE:
-            out = torch.bmm(a.flatten(0, 1), b.flatten(0, 1), out_dtype=torch.float32)  # (B*H, m, n)
-            out = out.view(*a.shape[:-1], b.size(-1))  # (B, H, m, n)
-            return out if alpha == 1.0 else out.mul_(alpha)
-        a, b = a.float(), b.float()
-    if alpha == 1.0:
-        return a @ b
-    out = torch.baddbmm(a.new_empty(()), a.flatten(0, 1), b.flatten(0, 1), beta=0, alpha=alpha)  # in the GEMM
-    return out.view(*a.shape[:-1], b.size(-1))  # (B, H, m, n)
-
-
-def _scores(q, k, rows, cols, opts):
-    """S_j of one block, (B, H, rows, cols), in base 2 with ALiBi's bias and the mask, float32 (float64 for
-    float64); the backward recomputes it. A float mask goes to base 2 here, clamped to its finite range."""
-    s = _matmul(q[:, :, rows], k[:, :, cols].transpose(-2, -1), alpha=opts.scale * LOG2E)
-    mask = mask_block(opts.mask, rows, cols, is_causal=opts.is_causal, window_size=opts.window_size,
-                      doc_ids=opts.doc_ids, offsets=opts.offsets, alibi_slopes=opts.alibi_slopes, scores=s,
-                      device=q.device)
-    if opts.mask is not None and opts.mask.is_floating_point():
-        mask = _finite_bias(mask, s.dtype, LOG2E)
-    return _apply_mask(s, mask)
-
-
-# Dropout multiplies P_j by a keep-mask Z_j in the products with V and dO, and divides by 1 - p.
-# Z is a hash of (seed, b, h, i, j): the backward regenerates it without storing it, and it does
-# not depend on the block sizes.
-
-_HASH = 0x2C1B3C6D  # odd: multiplying by it permutes the integers mod 2^31
-
-
-def _mix(x):
-    """Hash int32 values in [0, 2^31) in place, a permutation of that range: two rounds of
-    xor-shift and multiply (the product wraps mod 2^32; the mask keeps 31 bits)."""
-    for _ in range(2):
-        x.bitwise_xor_(x.bitwise_right_shift(15)).mul_(_HASH).bitwise_and_(0x7FFFFFFF)
-    return x
-
-
-def _dropout_hashes(seed, B, H, Lq, Lk):
-    """Hashes of the rows (b, h, i) with the seed, (B, H, Lq, 1), and of the columns j, (Lk,), int32.
-    seed: an int32 tensor of shape () on the device. Row ids (b * H + h) * Lq + i wrap above 2^31."""
-    dev = seed.device
-    rows = (torch.arange(B * H, dtype=torch.int32, device=dev).view(B, H, 1, 1) * Lq
-            + torch.arange(Lq, dtype=torch.int32, device=dev)[:, None])  # (B, H, Lq, 1)
-    cols = torch.arange(Lk, dtype=torch.int32, device=dev)  # (Lk,)
-    return _mix(_mix(rows.bitwise_and_(0x7FFFFFFF)) ^ seed), _mix(cols)
-
-
-def _keep_bits(row_hash, col_hash, dropout_p):
-    """Dropout's keep-mask of one block, (B, H, rows, cols): all bits set where a weight is kept
-    (probability 1 - p), none where it is dropped."""
-    x = _mix(row_hash ^ col_hash)  # uniform in [0, 2^31)
-    x -= round(dropout_p * 2**31)  # negative where dropped
-    x.bitwise_right_shift_(31)  # the sign, spread to every bit: -1 (all set) where dropped, 0 where kept
-    return x.bitwise_not_()
-
-
-def _drop(t, keep_bits):
-    """Zero the dropped weights of t in place, by AND-ing its bits with the mask: a bool mask costs
-    two more passes over the block (its conversion to float, then the product)."""
-    bits = t.view(torch.int32 if t.dtype == torch.float32 else torch.int64)
-    bits &= keep_bits.to(bits.dtype)  # int64 from int32 keeps every bit set
-    return t
-
-
-# -----------------------------------------------------------------------------
-# flash: the core's result by PyTorch's fused kernels (SDPA), with every convention above, and the
-# kernel that runs named and checked, never a silent fall-back. A fused kernel runs the online
-# softmax inside one kernel: its blocks of scores stay in on-chip memory, and no (Lq, Lk)
-# matrix is written out. "flash" names SDPA's fused path, not only the FlashAttention kernel:
-# SDPA picks among FlashAttention, memory-efficient and cuDNN kernels (on CUDA any attn_mask
-# rules FlashAttention out), and where none accepts the inputs it falls back to its unfused
-# math kernel without a word; so we ask which kernel runs, about the very inputs it gets.
-
-_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-            "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
-_KERNEL_NAMES = {int(backend): name for name, backend in _KERNELS.items()}
-
-
-def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
-                    window_size=None, cu_seqlens=None, alibi_slopes=None, on_math="warn"):
-    """softmax(Q K^T * scale + M) V by F.scaled_dot_product_attention's fused kernels.
-
-    When no fused kernel accepts the inputs (dropout on a CPU, say), on_math decides: "warn" and run the math
-    kernel, "raise" a RuntimeError, or "allow". A mask, window or documents reach SDPA as one (.., Lq, Lk)
-    mask (ALiBi's bias too, (B or 1, H, Lq, Lk)); pure is_causal as the kernel's flag. Under torch.compile,
-    and where torch cannot report its kernel (MPS, XPU), SDPA runs unchecked.
-
-    Float masks: a CPU's fused kernel adds them in float32, so the precision rule holds for any bias. On CUDA
-    a fused kernel reads the mask in q's dtype: a float32 bias b (each row shifted to a maximum of 0 first)
-    reaches it rounded to 16 bits, an error of up to |b| * 2^-8 in the logits in bfloat16 (2^-11 in float16,
-    which also clamps it to +-65504); the rule then holds while that stays below the rounding of the scores
-    themselves, |b| no larger than the scores. For larger biases in 16 bits use chunked, which adds them in
-    float32. Rows whose bias is far from 0, which the fused kernels get wrong, are shifted and, where swamped,
-    computed as SDPA's math computes them; off the CPU and under compile that costs every float mask a copy
-    and, with k's gradient, twice the time (_far_rows)."""
-    if on_math not in ("warn", "raise", "allow"):
-        raise ValueError(f"on_math must be 'warn', 'raise' or 'allow', got {on_math!r}")
-    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
-    call = _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens,
-                      alibi_slopes=_check_alibi(alibi_slopes, q))
-    if call.kernel == "math" and on_math != "allow":
-        why = (f"no fused SDPA kernel accepts these inputs (device={q.device.type}, dtype={q.dtype}, "
-               f"dropout_p={dropout_p}, mask={None if call.mask is None else call.mask.dtype}, "
-               f"head dim={call.q.size(-1)}); running the unfused math kernel")
-        if on_math == "raise":
-            raise RuntimeError(why)
-        warnings.warn(why, stacklevel=2)
-    with _no_autocast(q):  # autocast would round a float mask to 16 bits
-        out = F.scaled_dot_product_attention(call.q, call.k, call.v, call.mask, dropout_p, call.is_causal,
-                                             scale=scale)
-    out = out[..., :v.size(-1)]  # (B, H, Lq, Dv): without a second half of the head dimension (_far_rows)
-    return out if call.dead is None else out.masked_fill(call.dead, 0.0)
-
-
-class _SdpaCall(NamedTuple):
-    """What SDPA gets (q, k, v, mask, is_causal), the rows to zero after it (dead), and its kernel."""
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    mask: Optional[torch.Tensor]
-    is_causal: bool
-    dead: Optional[torch.Tensor]
-    kernel: str
-
-
-def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, device_type=None,
-               choose=None, alibi_slopes=None):
-    """The call SDPA gets (_SdpaCall), and the kernel that runs on it ('unknown' under torch.compile, which
-    picks its own). device_type and choose (the kernel SDPA would pick: _chosen_kernel's arguments) stand in
-    for a device's own, so that a CPU test can plan what a CUDA kernel gets."""
-    device_type, choose = device_type or q.device.type, choose or _chosen_kernel
-    mask, dead = None, None
-    doc_ids = None if cu_seqlens is None else documents(cu_seqlens, q.size(-2), q.device)[0]
-    if any(x is not None for x in (attn_mask, window_size, doc_ids, alibi_slopes)):  # causality alone: a flag
-        mask = mask_block(attn_mask, slice(0, q.size(-2)), slice(0, k.size(-2)), is_causal=is_causal,
-                          window_size=window_size, doc_ids=doc_ids, alibi_slopes=alibi_slopes,
-                          device=q.device)
-        is_causal = False
-    float_mask = mask is not None and mask.is_floating_point()
-    if float_mask and mask.dtype not in (q.dtype, torch.float32):  # a dtype SDPA takes, the wider kept
-        mask = _finite_bias(mask, q.dtype if q.dtype.itemsize >= 4 else torch.float32)
-    compiling = torch.compiler.is_compiling()
-
-    def ask(q, k, v, m):  # the kernel SDPA runs on these (under compile its Python int would break the graph)
-        return "unknown" if compiling else choose(q, k, v, m, dropout_p, is_causal, scale)
-    kernel = ask(q, k, v, mask)
-    # far rows as SDPA's math computes them, before a 16-bit copy can round them: wherever a fused kernel may
-    # read the mask, or off the CPU its copy in q's dtype (the math kernel computes them right itself)
-    user_float = attn_mask is not None and attn_mask.is_floating_point()
-    # ALiBi's bias alone peaks at 0, on the diagonal; a mask, or queries past the last key (Lq > Lk), leave a
-    # row at -slope * distance, which only a 16-bit copy rounds (one key dominates there: never swamped)
-    alibi_far = alibi_slopes is not None and device_type != "cpu" and (attn_mask is not None
-                                                                       or q.size(-2) > k.size(-2))
-    if (user_float or alibi_far) and (kernel != "math" or device_type != "cpu"):
-        mask, swamped = _far_rows(mask, device_type == "cpu" and not compiling, may_swamp=user_float)
-        if swamped is not None:
-            q, k, v = _switch_off_scores(q, k, v, swamped)
-            kernel = ask(q, k, v, mask)
-    if float_mask and device_type != "cpu" and mask.dtype != q.dtype:  # CUDA's fused kernels read a float
-        low = _finite_bias(mask, q.dtype)  # mask in q's dtype; the math kernel keeps the wider one
-        low_kernel = ask(q, k, v, low)
-        if low_kernel != "math":
-            mask, kernel = low, low_kernel
-    # a row with every key masked: the CPU's kernels, the math kernel and NVIDIA's efficient kernel give
-    # it zeros; the others (cuDNN, ROCm, MPS) NaN, so it is re-opened, and SDPA asked again about that mask
-    zeroes_dead_rows = (device_type == "cpu" or kernel == "math"
-                        or (kernel == "efficient" and not torch.version.hip))
-    if mask is not None and not zeroes_dead_rows:
-        mask, dead = _reopen_dead_rows(mask)
-        kernel = ask(q, k, v, mask)
-    return _SdpaCall(q, k, v, mask, is_causal, dead, kernel)
-
-
-# A bias far from 0 breaks the fused kernels' backward. They keep per query the logsumexp m + log(l) and
-# recompute P = exp(S - m - log(l)); beside |m| >= 2^24 a float32 m + log(l) loses log(l), so P comes out
-# up to l times too large (PyTorch's CPU flash kernel: dq off by 8.7 with one finfo.min row of 12 keys).
-# Softmax does not change when a row's bias is shifted, so flash shifts such a row to a maximum of 0, and
-# then computes it as float64 would: exactly, where float32 attention (naive, chunked, SDPA's math kernel)
-# rounds its scores to the bias's precision. A row whose every key carries -2^64 or less (Hugging Face's
-# finfo(float32).min, under causal masking with left padding) swamps its scores, even in float64: SDPA's
-# math gives it softmax(bias) V, with the gradients of the formula, in which the scores still count.
-# Flash gives it that too, with its scores switched off (_switch_off_scores). Where it cannot look (off the
-# CPU, under torch.compile) flash shifts every row (a copy of the mask, which the backward keeps) and
-# switches off scores for every row that might be swamped: a second half of the head dimension, about
-# twice the time, whenever k needs a gradient. A bool mask (True = may attend) costs none of this.
-_FAR, _SWAMPING = 2.0**24, 2.0**64
-
-
-def _far_rows(mask, can_look, may_swamp=True):
-    """(mask, swamped): the float mask with every row whose largest finite bias is 2^24 or more from 0
-    shifted to a maximum of 0, and the rows (.., Lq, 1) whose largest bias is -2^64 or less (None if none,
-    or not may_swamp). can_look: a CPU outside torch.compile, where reading whether any row is far waits for
-    no device, and where the mask is copied only if one is. Elsewhere every finite row is shifted, which also
-    keeps a row of large, close biases apart in the 16-bit copy a fused CUDA kernel reads."""
-    if torch.finfo(mask.dtype).max < _FAR:  # float16: no value is far
-        return mask, None
-    row_max = mask.detach().amax(-1, keepdim=True)  # (.., Lq, 1)
-    finite = torch.isfinite(row_max)
-    far, swamped = finite & (row_max.abs() >= _FAR if can_look else True), finite & (row_max <= -_SWAMPING)
-    swamped = swamped if may_swamp else None
-    if can_look:
-        if not _host_value(far.any()):
-            return mask, None
-        swamped = swamped if swamped is not None and _host_value(swamped.any()) else None
-    return mask - torch.where(far, row_max, 0.0), swamped
-
-
-def _switch_off_scores(q, k, v, swamped):
-    """q, k, v with which any SDPA kernel gives the `swamped` rows (.., Lq, 1) SDPA's math result: scores
-    of exactly 0 in the forward, and in the backward the gradients of softmax(Q K^T * scale + M) V. Their
-    rows of q are zeroed straight through (q - q.detach(): 0, with q's gradient), which gives dQ. Their
-    share of dK = dS^T Q needs their real q: it travels in a second half of the head dimension, against
-    k - k.detach() (0, with k's gradient); v gets zeros beside it, for kernels that need Dv = D. Without
-    a gradient for k the second half is left out. Returns q, k (B, H, L, 2D) and v (B, H, Lk, 2Dv)."""
-    q_off = torch.where(swamped, q - q.detach(), q)
-    if not (torch.is_grad_enabled() and k.requires_grad):
-        return q_off, k, v
-    q = torch.cat([q_off, torch.where(swamped, q, 0.0).detach()], dim=-1)  # (B, H, Lq, 2D)
-    k = torch.cat([k, k - k.detach()], dim=-1)  # (B, H, Lk, 2D)
-    if 2 * v.size(-1) == q.size(-1):
-        v = torch.cat([v, torch.zeros_like(v)], dim=-1)  # (B, H, Lk, 2Dv)
-    return q, k, v
-
-
-def _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale):
-    """The SDPA kernel these inputs get: 'flash', 'efficient', 'cudnn', 'math', or 'unknown' where torch
-    cannot tell. torch._fused_sdp_choice is what SDPA itself consults (it honours an enclosing
-    sdpa_kernel(...)); it is private, so we ask whether it is there."""
-    if q.device.type not in ("cpu", "cuda") or not hasattr(torch, "_fused_sdp_choice"):
-        return "unknown"
-    try:
-        choice = torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale)
-    except RuntimeError as e:  # every enabled kernel refuses these inputs
-        raise RuntimeError(f"no enabled SDPA kernel can run these inputs: {str(e).splitlines()[0]}") from e
-    if choice not in _KERNEL_NAMES:
-        raise RuntimeError(f"no enabled SDPA kernel can run these inputs (SDPA chose {SDPBackend(choice)})")
-    return _KERNEL_NAMES[choice]
-
-
-def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
-                     window_size=None, cu_seqlens=None, alibi_slopes=None):
-    """Which SDPA kernel flash_attention would run for these inputs (see _chosen_kernel)."""
-    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
-    return _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens,
-                      alibi_slopes=_check_alibi(alibi_slopes, q)).kernel
 
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, impl="flash",
@@ -1700,6 +1018,693 @@ def parse_args(argv=None):
         return TrainConfig(**vars(args))
     except ValueError as e:
         p.error(str(e))
+
+
+# -----------------------------------------------------------------------------
+# Appendix: the hardened paths. Each computes what the core computes, with everything real use asks for, and
+# the tests prove it equal to the core. All three take the arguments and conventions of
+# F.scaled_dot_product_attention (SDPA), with the core's shapes, plus:
+# - a float attn_mask is added to the scores, and only -inf masks a key; integer masks are refused, as
+#   SDPA refuses them; is_causal with an attn_mask applies both (SDPA refuses the pair);
+# - window_size=w: query i sees keys with |i - j| <= w (with is_causal: 0 <= i - j <= w);
+# - cu_seqlens, packed documents (self-attention): query i sees only the keys of its own document;
+# - dropout_p, scale, and under autocast float32 q, k, v computed and returned in autocast's dtype;
+# - in float16 and bfloat16 FlashAttention's rule: an error against float64 at most twice that of
+#   standard attention computed in the inputs' dtype;
+# - torch.compile(fullgraph=True), and no tensor value read on the host in forward or backward.
+
+# Masks: which keys a query sees, and ALiBi's bias. One visibility rule (causality, window, documents,
+# attn_mask, ALiBi) serves every path: naive and flash ask mask_block for the whole score matrix, chunked
+# for one block at a time, visiting only the key blocks that the rule leaves visible (_key_blocks).
+
+
+def causal_mask(Lq, Lk=None, device=None):
+    """Boolean (Lq, Lk) mask, True where key j <= query i (SDPA's top-left alignment)."""
+    Lk = Lq if Lk is None else Lk
+    return torch.ones(Lq, Lk, dtype=torch.bool, device=device).tril()
+
+
+def padding_mask(lengths, max_len, device=None):
+    """Boolean (B, 1, 1, max_len) mask, True on the first lengths[b] keys of sequence b.
+
+    It broadcasts over heads and queries, on the device of lengths (or `device`). nn.MultiheadAttention's
+    key_padding_mask is its negation: ~padding_mask(lengths, L)[:, 0, 0]."""
+    lengths = torch.as_tensor(lengths, device=device)
+    if lengths.dim() != 1 or lengths.dtype.is_floating_point:
+        raise ValueError(f"lengths must be a 1-D integer tensor, got {tuple(lengths.shape)} {lengths.dtype}")
+    _check_range(lengths, 0, max_len + 1, "lengths")
+    keep = torch.arange(max_len, device=lengths.device) < lengths[:, None]  # (B, L)
+    return keep[:, None, None, :]  # (B, 1, 1, L)
+
+
+def documents(cu_seqlens, L, device=None):
+    """Packed rows: (doc_ids, positions), two (L,) int64 tensors, the document of every position and
+    its position inside that document.
+
+    cu_seqlens: the CPU offsets [0, l_1, l_1 + l_2, ..., L] of a row's documents (FlashAttention's varlen
+    convention), empty ones allowed. Computed on the CPU, where cu_seqlens lives, and copied to a GPU pinned
+    and non-blocking, so that the host never waits (under torch.compile the copy is the compiler's own, not
+    pinned here)."""
+    _check_cu_seqlens(cu_seqlens, L)
+    doc = torch.bucketize(torch.arange(L), cu_seqlens[1:], right=True)  # document ends <= p: p's document
+    both = torch.stack([doc, torch.arange(L) - cu_seqlens[doc]])  # (2, L)
+    if torch.device(device or "cpu").type == "cuda" and not torch.compiler.is_compiling():
+        both = both.pin_memory()
+    return both.to(device, non_blocking=True).unbind()
+
+
+def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, doc_ids=None, offsets=None,
+               alibi_slopes=None, scores=None, device=None):
+    """The mask of scores[..., rows, cols] (rows, cols: slices of query and key positions).
+
+    Returns a bool mask (True = keep), a float mask (added to the scores), or None (keep every key),
+    broadcastable to (B, H, rows, cols). Causality, the window and documents are built from positions, and
+    only for a block that straddles the diagonal, the window's edge or a document boundary. doc_ids: the (L,)
+    document of every position (documents()); offsets: cu_seqlens as a list, where the host knows it, to tell
+    the blocks inside one document, which need no document mask. alibi_slopes (B or 1, H, 1, 1): ALiBi's bias,
+    -slope * |i - j| in the slopes' dtype (the same within a document), joins the mask; or, given the block's
+    scores (B, H, rows, cols), S_ij -= slope * |i - j| in place, with no block of its own."""
+    q0, q1, k0, k1 = rows.start, rows.stop, cols.start, cols.stop
+    causal = is_causal and k1 - 1 > q0  # some key lies after some query
+    local = window_size is not None and (k1 - 1 - q0 > window_size or q1 - 1 - k0 > window_size)
+    # a boundary b cuts the block where min(q0, k0) < b < max(q1, k1): bisect_right counts the offsets at
+    # or before min(q0, k0), bisect_left those before max(q1, k1); where they differ, b lies between
+    cut = doc_ids is not None and (offsets is None or bisect.bisect_right(offsets, min(q0, k0))
+                                < bisect.bisect_left(offsets, max(q1, k1)))
+    keep = doc_ids[rows, None] == doc_ids[None, cols] if cut else None  # (rows, cols): the same document
+    if causal or local:
+        i = torch.arange(q0, q1, device=device)[:, None]  # (rows, 1)
+        j = torch.arange(k0, k1, device=device)[None, :]  # (1, cols)
+        if causal:
+            keep = j <= i if keep is None else keep & (j <= i)
+        if local:  # compared, never subtracted: i - j would be an int64 (rows, cols) temporary
+            near = (j >= i - window_size) & (j <= i + window_size)
+            keep = near if keep is None else keep & near
+    if alibi_slopes is not None:  # the bias, with what keep and the attn_mask hide at -inf
+        i, j = (torch.arange(a, b, device=device, dtype=alibi_slopes.dtype) for a, b in ((q0, q1), (k0, k1)))
+        distance = (j - i[:, None]).abs_()  # (rows, cols)
+        if scores is not None:
+            scores.addcmul_(alibi_slopes, distance, value=-1)  # S -= slope * |i - j|: no product block made
+        else:
+            bias = alibi_slopes * distance.neg_()  # (B or 1, H, rows, cols)
+            keep = bias if keep is None else bias.masked_fill_(~keep, float("-inf"))
+    if attn_mask is None:
+        return keep
+    m = attn_mask  # sliced only where it does not broadcast and the block is not all of it
+    if m.size(-2) not in (1, q1 - q0):
+        m = m[..., rows, :]
+    if m.size(-1) not in (1, k1 - k0):
+        m = m[..., cols]
+    if keep is None:
+        return m
+    if keep.is_floating_point():  # ALiBi's bias
+        return keep.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else keep + m  # may broadcast
+    return m & keep if m.dtype == torch.bool else m.masked_fill(~keep, float("-inf"))
+
+
+def _key_blocks(rows, Lk, ck, is_causal, window_size, offsets=None):
+    """Slices of the key blocks of size ck that queries `rows` can see: blocks that causality, the window
+    or documents (offsets: cu_seqlens as a list) hide are never computed, and the visited range is cut
+    to the visible keys."""
+    lo, hi = 0, Lk
+    if is_causal:
+        hi = min(hi, rows.stop)  # keys j <= i < rows.stop
+    if window_size is not None:
+        lo, hi = max(lo, rows.start - window_size), min(hi, rows.stop + window_size)
+    if offsets is not None:  # from the start of the first query's document to the end of the last query's:
+        lo = max(lo, offsets[bisect.bisect_right(offsets, rows.start) - 1])  # the last offset <= rows.start
+        hi = min(hi, offsets[bisect.bisect_left(offsets, rows.stop)])  # the first offset >= rows.stop
+    return [slice(k0, min(k0 + ck, hi)) for k0 in range(lo, hi, ck)]
+
+
+def _apply_mask(scores, mask):
+    """scores with a mask_block mask applied: -inf where a bool mask is False (never -1e9: it
+    overflows float16), the bias of a float mask added in float32 or wider (a finfo.min bias
+    plus a negative score would overflow float16 to -inf); in place where the dtype allows."""
+    if mask is None:
+        return scores
+    if mask.dtype == torch.bool:
+        return scores.masked_fill_(~mask, float("-inf"))
+    wide = torch.promote_types(torch.promote_types(scores.dtype, mask.dtype), torch.float32)
+    return scores.add_(mask) if scores.dtype == wide else scores.to(wide) + mask
+
+
+def _finite_bias(bias, dtype, scale=1.0):
+    """bias * scale in dtype, clamped to dtype's finite range, -inf kept -inf. Without the clamp a finite
+    value such as finfo(float32).min (Hugging Face's "masked") would overflow to -inf in a narrower
+    dtype, or when multiplied by log2(e), and so mask its key: only -inf may do that."""
+    finfo = torch.finfo(dtype)
+    wide = bias.to(torch.promote_types(bias.dtype, dtype)) * scale
+    return wide.clamp(finfo.min, finfo.max).to(dtype).masked_fill(torch.isneginf(bias), float("-inf"))
+
+
+def _reopen_dead_rows(mask):
+    """(mask, dead): a row with every key masked would make softmax 0/0 = NaN, forward and
+    backward; it is let to attend to every key instead, and `dead` (.., Lq, 1) marks it, for
+    the caller to zero its output (which also zeroes its gradients)."""
+    if mask.dtype == torch.bool:
+        dead = ~mask.any(-1, keepdim=True)
+        return mask | dead, dead
+    dead = torch.isneginf(mask).all(-1, keepdim=True)
+    return mask.masked_fill(dead, 0.0), dead
+
+
+def _sdpa_conventions(q, k, v, scale):
+    """What SDPA does before it computes, and so every path: scale = 1/sqrt(D) unless given, and under
+    autocast float32 q, k, v are cast to autocast's dtype (SDPA is on autocast's lower-precision list)."""
+    if q.dtype == torch.float32 and torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    return q, k, v, 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
+
+
+# -----------------------------------------------------------------------------
+# naive: standard_attention with every convention above, and the weights it used. Like the core's, it
+# materialises the (Lq, Lk) scores.
+
+
+def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, window_size=None,
+                    cu_seqlens=None, alibi_slopes=None):
+    """Attention(Q, K, V) = softmax(Q K^T * scale + M) V,  scale = 1/sqrt(D) by default.
+
+    Returns out (B, H, Lq, Dv) and the weights (B, H, Lq, Lk) it used, after dropout, so that
+    out == weights @ v. Standard attention as it is written: computed in the inputs' dtype (softmax
+    accumulates in float32 inside), a float mask (and ALiBi's bias, built whole) added in float32 or wider."""
+    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
+    Lq, Lk = q.size(-2), k.size(-2)
+    doc_ids = None if cu_seqlens is None else documents(cu_seqlens, Lq, q.device)[0]
+    mask = mask_block(attn_mask, slice(0, Lq), slice(0, Lk), is_causal=is_causal, window_size=window_size,
+                      doc_ids=doc_ids, alibi_slopes=_check_alibi(alibi_slopes, q), device=q.device)
+    dead = None
+    if mask is not None:
+        mask, dead = _reopen_dead_rows(mask)
+    with _no_autocast(q):  # the inputs' dtype decides, as in any function
+        scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Lq, Lk)
+        weights = torch.softmax(_apply_mask(scores, mask), dim=-1).to(v.dtype)
+        if dead is not None:
+            weights = weights.masked_fill(dead, 0.0)
+        if dropout_p > 0.0:
+            weights = F.dropout(weights, dropout_p)  # kept weights scaled by 1/(1-p): same expectation
+        return weights @ v, weights
+
+
+# -----------------------------------------------------------------------------
+# chunked: blockwise_attention with every convention above, FlashAttention-2's precision recipe for
+# 16-bit inputs, dropout that the backward regenerates, blocks that windows and documents hide skipped,
+# and one custom operator for torch.compile.
+#
+# As in the core, each block of query rows visits the key blocks (cols) it sees, keeping per query m,
+# l and o, and out = o / l at the end. Beside the per-query statistics a few (cq, ck) blocks of scores
+# are alive at once: two in the forward and four in the backward (P, dP, dS), since a block lives until
+# its name is rebound, so step j's blocks are made while step j - 1's still exist (study.py counts
+# them). Scores are kept in base 2, exp(x) = exp2(x * log2(e)), as FlashAttention does on a GPU, where exp2
+# is the native instruction; here it costs the same as exp, and log2(e) rides in the scale of the
+# product that makes S.
+
+LOG2E = math.log2(math.e)
+
+
+def attend_block(q, k, v, rows, o, m, l, opts):
+    """The forward's block update: queries `rows` against every key block j they see.
+
+        S_j = Q K_j^T * scale * log2(e) + M_j * log2(e)      (M_j: the block's mask, clamped finite but -inf)
+        m' = max(m, rowmax(S_j)),   P_j = exp2(S_j - m'),   alpha = exp2(m - m'),
+        l' = alpha * l + rowsum(P_j),   o' = alpha * o + (Z_j * P_j) V_j
+
+    Z_j is dropout's keep-mask (all ones without dropout); l counts the dropped weights too, so
+    that out = o / (l * (1 - p)) keeps the expectation. o (B, H, rows, Dv), m and l (B, H, rows, 1),
+    float32 (float64 for float64), are updated in place; opts: block_options.
+    """
+    for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size, opts.offsets):
+        s = _scores(q, k, rows, cols, opts)  # (B, H, cq, ck)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        # a row masked so far has m_new = -inf, and exp2(-inf - (-inf)) = NaN: the lowest
+        # finite value makes it exp2(-inf) = 0 and changes no other row
+        m_safe = m_new.clamp(min=torch.finfo(m.dtype).min)
+        p = s.sub_(m_safe).exp2_()  # P_j, in place: no second block-sized buffer
+        alpha = torch.exp2(m - m_safe)
+        l.mul_(alpha).add_(p.sum(-1, keepdim=True))
+        if opts.dropout_p > 0.0:
+            _drop(p, _keep_bits(opts.row_hash[:, :, rows], opts.col_hash[cols], opts.dropout_p))
+        o.mul_(alpha).add_(_matmul(p.to(v.dtype), v[:, :, cols]))  # P rounded to the inputs' dtype
+        m.copy_(m_new)
+
+
+def chunked_forward(q, k, v, opts, cq):
+    """The forward: every block of cq query rows starts from m = -inf, l = 0, o = 0, visits its key
+    blocks (attend_block), and ends as out = o / (l * (1 - p)). Returns out (B, H, Lq, Dv) and per
+    query m and log2(l), (B, H, Lq, 1), float32 or wider, for the backward (kept apart: a finfo.min
+    bias makes m so large that m + log2(l) would round to m); a query with every key masked gets
+    out = 0 and m = +inf, so that its recomputed P is 0."""
+    B, H, Lq, _ = q.shape
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)
+    out = q.new_empty(B, H, Lq, v.size(-1))
+    m_all, log2_l = (q.new_empty(B, H, Lq, 1, dtype=acc_dtype) for _ in range(2))
+    for rows in _blocks(Lq, cq):
+        m = q.new_full((B, H, rows.stop - rows.start, 1), float("-inf"), dtype=acc_dtype)
+        l = torch.zeros_like(m)
+        o = q.new_zeros(B, H, rows.stop - rows.start, v.size(-1), dtype=acc_dtype)
+        attend_block(q, k, v, rows, o, m, l, opts)
+        dead = l == 0  # every key masked
+        out[:, :, rows] = o / (l.masked_fill(dead, 1.0) * (1.0 - opts.dropout_p))
+        m_all[:, :, rows] = m.masked_fill(dead, float("inf"))
+        log2_l[:, :, rows] = torch.log2(l.masked_fill(dead, 1.0))
+    return out, m_all, log2_l
+
+
+def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask, opts):
+    """The backward's block update: queries `rows` against every key block j they see.
+
+        P_j = exp2(S_j - m - log2(l))      (the forward's probabilities, recomputed)
+        dV_j += (Z_j * P_j)^T dO,   dP_j = Z_j * (dO V_j^T) / (1 - p),   dS_j = P_j * (dP_j - rowsum(dO * O)),
+        dQ += dS_j K_j,   dK_j += dS_j^T Q,   dM_j = dS_j (a float mask)
+
+    dq, dk, dv (float32) are added to in place, dq and dk without the scale and dv without
+    1 / (1 - p) (both applied once, at the end), and dmask, a float mask's gradient, when it is not
+    None. The loop runs in the forward's order, query blocks outside, adding into dK and dV across
+    them. FlashAttention-2's Algorithm 2 loops the other way, key blocks outside, so that dK_j and
+    dV_j stay on chip and dQ is added to in memory instead.
+    """
+    dout_i = dout[:, :, rows]  # (B, H, cq, Dv)
+    m, log2_l = m[:, :, rows], log2_l[:, :, rows]  # (B, H, cq, 1)
+    delta = (dout_i.to(m.dtype) * out[:, :, rows].to(m.dtype)).sum(-1, keepdim=True)  # rowsum(dO * O)
+    for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size, opts.offsets):
+        p = _scores(q, k, rows, cols, opts).sub_(m).sub_(log2_l).exp2_()  # P_j
+        dp = _matmul(dout_i, v[:, :, cols].transpose(-2, -1))  # (B, H, cq, ck)
+        p_dropped = p
+        if opts.dropout_p > 0.0:  # the forward's mask
+            keep = _keep_bits(opts.row_hash[:, :, rows], opts.col_hash[cols], opts.dropout_p)
+            p_dropped = _drop(p.clone(), keep)
+            _drop(dp, keep).mul_(1.0 / (1.0 - opts.dropout_p))
+        dv[:, :, cols] += _matmul(p_dropped.to(q.dtype).transpose(-2, -1), dout_i)
+        ds = p.mul_(dp.sub_(delta))  # dS_j
+        ds_low = ds.to(q.dtype)  # rounded to the inputs' dtype for the products, as P is
+        dq[:, :, rows] += _matmul(ds_low, k[:, :, cols])
+        dk[:, :, cols] += _matmul(ds_low.transpose(-2, -1), q[:, :, rows])
+        if dmask is not None:  # the mask is added to the scores: its gradient is dS, summed where broadcast
+            dm = dmask[..., rows if dmask.size(-2) != 1 else slice(None), :]
+            dm = dm[..., cols] if dmask.size(-1) != 1 else dm
+            dm += ds.sum_to_size(dm.shape)
+
+
+def chunked_backward(dout, q, k, v, out, m, log2_l, dq, dk, dv, dmask, opts, cq):
+    """The backward: every block of cq query rows adds its share (attend_block_backward) into dq, dk,
+    dv (zeros, float32, shaped as q, k, v) and into dmask (a float mask's gradient, float32, shaped as
+    the mask) unless None; then the scale and 1 / (1 - p). Returns dq, dk, dv in the inputs' dtype."""
+    for rows in _blocks(q.size(-2), cq):
+        attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask, opts)
+    dv.mul_(1.0 / (1.0 - opts.dropout_p))
+    return dq.mul_(opts.scale).to(q.dtype), dk.mul_(opts.scale).to(k.dtype), dv.to(v.dtype)
+
+
+def default_chunk_size(device):
+    """(query block, key block). CPU: the best of the sizes measured (results/README.md, "The chunked path");
+    elsewhere a guess that keeps kernel launches few, not yet measured."""
+    return (256, 256) if torch.device(device).type == "cpu" else (512, 512)
+
+
+def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
+                      window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None):
+    """softmax(Q K^T * scale + M) V, the same result as naive_attention, in O(L) memory.
+
+    chunk_size: int or (query block, key block); None: default_chunk_size. Blocks that is_causal, window_size
+    or the documents of cu_seqlens hide are skipped; ALiBi's bias is made block by block. Gradients flow to q,
+    k, v and to a float attn_mask that requires grad. Dropout's seed is drawn from the device's generator."""
+    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
+    cq, ck = _chunks(default_chunk_size(q.device) if chunk_size is None else chunk_size)
+    seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
+    alibi_slopes = _check_alibi(alibi_slopes, q)
+    out, _m, _log2_l = _chunked_fwd(q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p, is_causal,
+                                    scale, window_size, cq, ck)  # m and log2(l): for the backward
+    return out
+
+
+# The plumbing of the chunked path: the forward and the backward as custom operators, so that
+# torch.compile sees one call with known output shapes and never unrolls the block loops; what
+# the block updates share; the products' precision; dropout's hash.
+
+
+@dataclass
+class BlockOptions:
+    """What every block update of one call shares (block_options)."""
+    scale: float
+    is_causal: bool
+    window_size: Optional[int]
+    ck: int  # key block size
+    mask: Optional[torch.Tensor]  # the attn_mask (a float one is taken to base 2 block by block: _scores)
+    dropout_p: float
+    row_hash: Optional[torch.Tensor]  # dropout: hashes of the rows (b, h, i), (B, H, Lq, 1), int32
+    col_hash: Optional[torch.Tensor]  # and of the key columns j, (Lk,)
+    doc_ids: Optional[torch.Tensor] = None  # packed rows: the document of every position, (L,) (documents())
+    offsets: Optional[list] = None  # and their cu_seqlens, read on the host (a CPU tensor: no sync)
+    alibi_slopes: Optional[torch.Tensor] = None  # (B or 1, H, 1, 1), in base 2
+
+
+def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens=None,
+                  alibi_slopes=None):
+    hashes = _dropout_hashes(seed, *q.shape[:3], k.size(-2)) if dropout_p > 0.0 else (None, None)
+    opts = BlockOptions(scale, is_causal, window_size, ck, attn_mask, dropout_p, *hashes)
+    if cu_seqlens is not None:
+        opts.doc_ids, opts.offsets = documents(cu_seqlens, q.size(-2), q.device)[0], cu_seqlens.tolist()
+    opts.alibi_slopes = None if alibi_slopes is None else alibi_slopes * LOG2E  # in base 2, as the scores
+    return opts
+
+
+def _autocast_off(op):
+    """Run op with autocast disabled: autocast reaches the products inside a custom op and would
+    round them to 16 bits (and the backward, run outside autocast, would then disagree)."""
+    @functools.wraps(op)
+    def run(*args, **kwargs):
+        with torch.autocast(args[0].device.type, enabled=False):
+            return op(*args, **kwargs)
+    return run
+
+
+# The operators' namespace is the module's own name: a copy of this file imported under another name
+# (beside an installed minitransformer) registers operators of its own, never replacing these (one
+# imported under the same name, as importlib.reload does, replaces them).
+_OPS = re.sub(r"\W", "_", __name__)
+
+
+@torch.library.custom_op(f"{_OPS}::chunked_attention_fwd", mutates_args=())
+@_autocast_off
+def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                 seed: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                 alibi_slopes: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
+                 window_size: Optional[int], cq: int, ck: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """chunked_forward as an operator: out, m, log2(l)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # every block a view, never a copy
+    return chunked_forward(q, k, v, block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale,
+                                                  window_size, ck, cu_seqlens, alibi_slopes), cq)
+
+
+@torch.library.custom_op(f"{_OPS}::chunked_attention_bwd", mutates_args=())
+@_autocast_off
+def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 m: torch.Tensor, log2_l: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                 seed: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                 alibi_slopes: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
+                 window_size: Optional[int], cq: int, ck: int, mask_grad: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """chunked_backward as an operator: dq, dk, dv, and a float attn_mask's gradient when mask_grad
+    (else an empty tensor)."""
+    grads = [torch.zeros_like(t, dtype=m.dtype) for t in (q, k, v)]  # laid out as q, k, v (register_fake)
+    dmask = torch.zeros_like(attn_mask, dtype=m.dtype) if mask_grad else None
+    dout, q, k, v = dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous()
+    opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens,
+                         alibi_slopes)
+    dq, dk, dv = chunked_backward(dout, q, k, v, out, m, log2_l, *grads, dmask, opts, cq)
+    return dq, dk, dv, dmask.to(attn_mask.dtype) if mask_grad else q.new_empty(0)
+
+
+@_chunked_fwd.register_fake
+def _(q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p, is_causal, scale, window_size, cq, ck):
+    stats = q.new_empty(*q.shape[:-1], 1, dtype=torch.promote_types(q.dtype, torch.float32))
+    return q.new_empty(*q.shape[:-1], v.size(-1)), stats, torch.empty_like(stats)
+
+
+@_chunked_bwd.register_fake
+def _(dout, q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p, is_causal, scale,
+      window_size, cq, ck, mask_grad):
+    dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+
+
+def _chunked_save(ctx, inputs, output):
+    q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, *options = inputs
+    ctx.save_for_backward(q, k, v, *output, attn_mask, seed, cu_seqlens, alibi_slopes)  # out, m, log2 l
+    ctx.options = options  # dropout_p, is_causal, scale, window_size, cq, ck
+
+
+def _chunked_grad(ctx, dout, _dm, _dlog2_l):
+    q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens, alibi_slopes = ctx.saved_tensors
+    mask_grad = ctx.needs_input_grad[3]  # a float mask that requires grad: a learned bias (T5)
+    dq, dk, dv, dmask = _chunked_bwd(dout, q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens, alibi_slopes,
+                                     *ctx.options, mask_grad)
+    return dq, dk, dv, dmask if mask_grad else None, *[None] * 9
+
+
+_chunked_fwd.register_autograd(_chunked_grad, setup_context=_chunked_save)
+
+_BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(a, b, out_dtype=...), CUDA
+
+
+def _matmul(a, b, alpha=1.0):
+    """alpha * (a @ b) for a (B, H, m, k) and b (B, H, k, n), in float32 (float64 for float64).
+
+    FlashAttention-2's precision: the operands are multiplied in the inputs' dtype and the
+    products accumulated in float32, as tensor cores do; on CUDA by bmm(..., out_dtype=float32);
+    elsewhere float16 and bfloat16 are converted to float32 first, which is exact, so a CPU
+    computes what a GPU does (up to the order of the sums).
+    """
+    if a.dtype in (torch.float16, torch.bfloat16):
+        if a.is_cuda and _BMM_OUT_DTYPE:
+            out = torch.bmm(a.flatten(0, 1), b.flatten(0, 1), out_dtype=torch.float32)  # (B*H, m, n)
+            out = out.view(*a.shape[:-1], b.size(-1))  # (B, H, m, n)
+            return out if alpha == 1.0 else out.mul_(alpha)
+        a, b = a.float(), b.float()
+    if alpha == 1.0:
+        return a @ b
+    out = torch.baddbmm(a.new_empty(()), a.flatten(0, 1), b.flatten(0, 1), beta=0, alpha=alpha)  # in the GEMM
+    return out.view(*a.shape[:-1], b.size(-1))  # (B, H, m, n)
+
+
+def _scores(q, k, rows, cols, opts):
+    """S_j of one block, (B, H, rows, cols), in base 2 with ALiBi's bias and the mask, float32 (float64 for
+    float64); the backward recomputes it. A float mask goes to base 2 here, clamped to its finite range."""
+    s = _matmul(q[:, :, rows], k[:, :, cols].transpose(-2, -1), alpha=opts.scale * LOG2E)
+    mask = mask_block(opts.mask, rows, cols, is_causal=opts.is_causal, window_size=opts.window_size,
+                      doc_ids=opts.doc_ids, offsets=opts.offsets, alibi_slopes=opts.alibi_slopes, scores=s,
+                      device=q.device)
+    if opts.mask is not None and opts.mask.is_floating_point():
+        mask = _finite_bias(mask, s.dtype, LOG2E)
+    return _apply_mask(s, mask)
+
+
+# Dropout multiplies P_j by a keep-mask Z_j in the products with V and dO, and divides by 1 - p.
+# Z is a hash of (seed, b, h, i, j): the backward regenerates it without storing it, and it does
+# not depend on the block sizes.
+
+_HASH = 0x2C1B3C6D  # odd: multiplying by it permutes the integers mod 2^31
+
+
+def _mix(x):
+    """Hash int32 values in [0, 2^31) in place, a permutation of that range: two rounds of
+    xor-shift and multiply (the product wraps mod 2^32; the mask keeps 31 bits)."""
+    for _ in range(2):
+        x.bitwise_xor_(x.bitwise_right_shift(15)).mul_(_HASH).bitwise_and_(0x7FFFFFFF)
+    return x
+
+
+def _dropout_hashes(seed, B, H, Lq, Lk):
+    """Hashes of the rows (b, h, i) with the seed, (B, H, Lq, 1), and of the columns j, (Lk,), int32.
+    seed: an int32 tensor of shape () on the device. Row ids (b * H + h) * Lq + i wrap above 2^31."""
+    dev = seed.device
+    rows = (torch.arange(B * H, dtype=torch.int32, device=dev).view(B, H, 1, 1) * Lq
+            + torch.arange(Lq, dtype=torch.int32, device=dev)[:, None])  # (B, H, Lq, 1)
+    cols = torch.arange(Lk, dtype=torch.int32, device=dev)  # (Lk,)
+    return _mix(_mix(rows.bitwise_and_(0x7FFFFFFF)) ^ seed), _mix(cols)
+
+
+def _keep_bits(row_hash, col_hash, dropout_p):
+    """Dropout's keep-mask of one block, (B, H, rows, cols): all bits set where a weight is kept
+    (probability 1 - p), none where it is dropped."""
+    x = _mix(row_hash ^ col_hash)  # uniform in [0, 2^31)
+    x -= round(dropout_p * 2**31)  # negative where dropped
+    x.bitwise_right_shift_(31)  # the sign, spread to every bit: -1 (all set) where dropped, 0 where kept
+    return x.bitwise_not_()
+
+
+def _drop(t, keep_bits):
+    """Zero the dropped weights of t in place, by AND-ing its bits with the mask: a bool mask costs
+    two more passes over the block (its conversion to float, then the product)."""
+    bits = t.view(torch.int32 if t.dtype == torch.float32 else torch.int64)
+    bits &= keep_bits.to(bits.dtype)  # int64 from int32 keeps every bit set
+    return t
+
+
+# -----------------------------------------------------------------------------
+# flash: the core's result by PyTorch's fused kernels (SDPA), with every convention above, and the
+# kernel that runs named and checked, never a silent fall-back. A fused kernel runs the online
+# softmax inside one kernel: its blocks of scores stay in on-chip memory, and no (Lq, Lk)
+# matrix is written out. "flash" names SDPA's fused path, not only the FlashAttention kernel:
+# SDPA picks among FlashAttention, memory-efficient and cuDNN kernels (on CUDA any attn_mask
+# rules FlashAttention out), and where none accepts the inputs it falls back to its unfused
+# math kernel without a word; so we ask which kernel runs, about the very inputs it gets.
+
+_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+_KERNEL_NAMES = {int(backend): name for name, backend in _KERNELS.items()}
+
+
+def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
+                    window_size=None, cu_seqlens=None, alibi_slopes=None, on_math="warn"):
+    """softmax(Q K^T * scale + M) V by F.scaled_dot_product_attention's fused kernels.
+
+    When no fused kernel accepts the inputs (dropout on a CPU, say), on_math decides: "warn" and run the math
+    kernel, "raise" a RuntimeError, or "allow". A mask, window or documents reach SDPA as one (.., Lq, Lk)
+    mask (ALiBi's bias too, (B or 1, H, Lq, Lk)); pure is_causal as the kernel's flag. Under torch.compile,
+    and where torch cannot report its kernel (MPS, XPU), SDPA runs unchecked.
+
+    Float masks: a CPU's fused kernel adds them in float32, so the precision rule holds for any bias. On CUDA
+    a fused kernel reads the mask in q's dtype: a float32 bias b (each row shifted to a maximum of 0 first)
+    reaches it rounded to 16 bits, an error of up to |b| * 2^-8 in the logits in bfloat16 (2^-11 in float16,
+    which also clamps it to +-65504); the rule then holds while that stays below the rounding of the scores
+    themselves, |b| no larger than the scores. For larger biases in 16 bits use chunked, which adds them in
+    float32. Rows whose bias is far from 0, which the fused kernels get wrong, are shifted and, where swamped,
+    computed as SDPA's math computes them; off the CPU and under compile that costs every float mask a copy
+    and, with k's gradient, twice the time (_far_rows)."""
+    if on_math not in ("warn", "raise", "allow"):
+        raise ValueError(f"on_math must be 'warn', 'raise' or 'allow', got {on_math!r}")
+    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
+    call = _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens,
+                      alibi_slopes=_check_alibi(alibi_slopes, q))
+    if call.kernel == "math" and on_math != "allow":
+        why = (f"no fused SDPA kernel accepts these inputs (device={q.device.type}, dtype={q.dtype}, "
+               f"dropout_p={dropout_p}, mask={None if call.mask is None else call.mask.dtype}, "
+               f"head dim={call.q.size(-1)}); running the unfused math kernel")
+        if on_math == "raise":
+            raise RuntimeError(why)
+        warnings.warn(why, stacklevel=2)
+    with _no_autocast(q):  # autocast would round a float mask to 16 bits
+        out = F.scaled_dot_product_attention(call.q, call.k, call.v, call.mask, dropout_p, call.is_causal,
+                                             scale=scale)
+    out = out[..., :v.size(-1)]  # (B, H, Lq, Dv): without a second half of the head dimension (_far_rows)
+    return out if call.dead is None else out.masked_fill(call.dead, 0.0)
+
+
+class _SdpaCall(NamedTuple):
+    """What SDPA gets (q, k, v, mask, is_causal), the rows to zero after it (dead), and its kernel."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: Optional[torch.Tensor]
+    is_causal: bool
+    dead: Optional[torch.Tensor]
+    kernel: str
+
+
+def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, device_type=None,
+               choose=None, alibi_slopes=None):
+    """The call SDPA gets (_SdpaCall), and the kernel that runs on it ('unknown' under torch.compile, which
+    picks its own). device_type and choose (the kernel SDPA would pick: _chosen_kernel's arguments) stand in
+    for a device's own, so that a CPU test can plan what a CUDA kernel gets."""
+    device_type, choose = device_type or q.device.type, choose or _chosen_kernel
+    mask, dead = None, None
+    doc_ids = None if cu_seqlens is None else documents(cu_seqlens, q.size(-2), q.device)[0]
+    if any(x is not None for x in (attn_mask, window_size, doc_ids, alibi_slopes)):  # causality alone: a flag
+        mask = mask_block(attn_mask, slice(0, q.size(-2)), slice(0, k.size(-2)), is_causal=is_causal,
+                          window_size=window_size, doc_ids=doc_ids, alibi_slopes=alibi_slopes,
+                          device=q.device)
+        is_causal = False
+    float_mask = mask is not None and mask.is_floating_point()
+    if float_mask and mask.dtype not in (q.dtype, torch.float32):  # a dtype SDPA takes, the wider kept
+        mask = _finite_bias(mask, q.dtype if q.dtype.itemsize >= 4 else torch.float32)
+    compiling = torch.compiler.is_compiling()
+
+    def ask(q, k, v, m):  # the kernel SDPA runs on these (under compile its Python int would break the graph)
+        return "unknown" if compiling else choose(q, k, v, m, dropout_p, is_causal, scale)
+    kernel = ask(q, k, v, mask)
+    # far rows as SDPA's math computes them, before a 16-bit copy can round them: wherever a fused kernel may
+    # read the mask, or off the CPU its copy in q's dtype (the math kernel computes them right itself)
+    user_float = attn_mask is not None and attn_mask.is_floating_point()
+    # ALiBi's bias alone peaks at 0, on the diagonal; a mask, or queries past the last key (Lq > Lk), leave a
+    # row at -slope * distance, which only a 16-bit copy rounds (one key dominates there: never swamped)
+    alibi_far = alibi_slopes is not None and device_type != "cpu" and (attn_mask is not None
+                                                                       or q.size(-2) > k.size(-2))
+    if (user_float or alibi_far) and (kernel != "math" or device_type != "cpu"):
+        mask, swamped = _far_rows(mask, device_type == "cpu" and not compiling, may_swamp=user_float)
+        if swamped is not None:
+            q, k, v = _switch_off_scores(q, k, v, swamped)
+            kernel = ask(q, k, v, mask)
+    if float_mask and device_type != "cpu" and mask.dtype != q.dtype:  # CUDA's fused kernels read a float
+        low = _finite_bias(mask, q.dtype)  # mask in q's dtype; the math kernel keeps the wider one
+        low_kernel = ask(q, k, v, low)
+        if low_kernel != "math":
+            mask, kernel = low, low_kernel
+    # a row with every key masked: the CPU's kernels, the math kernel and NVIDIA's efficient kernel give
+    # it zeros; the others (cuDNN, ROCm, MPS) NaN, so it is re-opened, and SDPA asked again about that mask
+    zeroes_dead_rows = (device_type == "cpu" or kernel == "math"
+                        or (kernel == "efficient" and not torch.version.hip))
+    if mask is not None and not zeroes_dead_rows:
+        mask, dead = _reopen_dead_rows(mask)
+        kernel = ask(q, k, v, mask)
+    return _SdpaCall(q, k, v, mask, is_causal, dead, kernel)
+
+
+# A bias far from 0 breaks the fused kernels' backward. They keep per query the logsumexp m + log(l) and
+# recompute P = exp(S - m - log(l)); beside |m| >= 2^24 a float32 m + log(l) loses log(l), so P comes out
+# up to l times too large (PyTorch's CPU flash kernel: dq off by 8.7 with one finfo.min row of 12 keys).
+# Softmax does not change when a row's bias is shifted, so flash shifts such a row to a maximum of 0, and
+# then computes it as float64 would: exactly, where float32 attention (naive, chunked, SDPA's math kernel)
+# rounds its scores to the bias's precision. A row whose every key carries -2^64 or less (Hugging Face's
+# finfo(float32).min, under causal masking with left padding) swamps its scores, even in float64: SDPA's
+# math gives it softmax(bias) V, with the gradients of the formula, in which the scores still count.
+# Flash gives it that too, with its scores switched off (_switch_off_scores). Where it cannot look (off the
+# CPU, under torch.compile) flash shifts every row (a copy of the mask, which the backward keeps) and
+# switches off scores for every row that might be swamped: a second half of the head dimension, about
+# twice the time, whenever k needs a gradient. A bool mask (True = may attend) costs none of this.
+_FAR, _SWAMPING = 2.0**24, 2.0**64
+
+
+def _far_rows(mask, can_look, may_swamp=True):
+    """(mask, swamped): the float mask with every row whose largest finite bias is 2^24 or more from 0
+    shifted to a maximum of 0, and the rows (.., Lq, 1) whose largest bias is -2^64 or less (None if none,
+    or not may_swamp). can_look: a CPU outside torch.compile, where reading whether any row is far waits for
+    no device, and where the mask is copied only if one is. Elsewhere every finite row is shifted, which also
+    keeps a row of large, close biases apart in the 16-bit copy a fused CUDA kernel reads."""
+    if torch.finfo(mask.dtype).max < _FAR:  # float16: no value is far
+        return mask, None
+    row_max = mask.detach().amax(-1, keepdim=True)  # (.., Lq, 1)
+    finite = torch.isfinite(row_max)
+    far, swamped = finite & (row_max.abs() >= _FAR if can_look else True), finite & (row_max <= -_SWAMPING)
+    swamped = swamped if may_swamp else None
+    if can_look:
+        if not _host_value(far.any()):
+            return mask, None
+        swamped = swamped if swamped is not None and _host_value(swamped.any()) else None
+    return mask - torch.where(far, row_max, 0.0), swamped
+
+
+def _switch_off_scores(q, k, v, swamped):
+    """q, k, v with which any SDPA kernel gives the `swamped` rows (.., Lq, 1) SDPA's math result: scores
+    of exactly 0 in the forward, and in the backward the gradients of softmax(Q K^T * scale + M) V. Their
+    rows of q are zeroed straight through (q - q.detach(): 0, with q's gradient), which gives dQ. Their
+    share of dK = dS^T Q needs their real q: it travels in a second half of the head dimension, against
+    k - k.detach() (0, with k's gradient); v gets zeros beside it, for kernels that need Dv = D. Without
+    a gradient for k the second half is left out. Returns q, k (B, H, L, 2D) and v (B, H, Lk, 2Dv)."""
+    q_off = torch.where(swamped, q - q.detach(), q)
+    if not (torch.is_grad_enabled() and k.requires_grad):
+        return q_off, k, v
+    q = torch.cat([q_off, torch.where(swamped, q, 0.0).detach()], dim=-1)  # (B, H, Lq, 2D)
+    k = torch.cat([k, k - k.detach()], dim=-1)  # (B, H, Lk, 2D)
+    if 2 * v.size(-1) == q.size(-1):
+        v = torch.cat([v, torch.zeros_like(v)], dim=-1)  # (B, H, Lk, 2Dv)
+    return q, k, v
+
+
+def _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale):
+    """The SDPA kernel these inputs get: 'flash', 'efficient', 'cudnn', 'math', or 'unknown' where torch
+    cannot tell. torch._fused_sdp_choice is what SDPA itself consults (it honours an enclosing
+    sdpa_kernel(...)); it is private, so we ask whether it is there."""
+    if q.device.type not in ("cpu", "cuda") or not hasattr(torch, "_fused_sdp_choice"):
+        return "unknown"
+    try:
+        choice = torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale)
+    except RuntimeError as e:  # every enabled kernel refuses these inputs
+        raise RuntimeError(f"no enabled SDPA kernel can run these inputs: {str(e).splitlines()[0]}") from e
+    if choice not in _KERNEL_NAMES:
+        raise RuntimeError(f"no enabled SDPA kernel can run these inputs (SDPA chose {SDPBackend(choice)})")
+    return _KERNEL_NAMES[choice]
+
+
+def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
+                     window_size=None, cu_seqlens=None, alibi_slopes=None):
+    """Which SDPA kernel flash_attention would run for these inputs (see _chosen_kernel)."""
+    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
+    return _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens,
+                      alibi_slopes=_check_alibi(alibi_slopes, q)).kernel
 
 
 # -----------------------------------------------------------------------------
