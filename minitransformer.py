@@ -1216,7 +1216,7 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 # As in the core, each block of query rows visits the key blocks (cols) it sees, keeping per query m,
 # l and o, and out = o / l at the end. Beside the per-query statistics a few (cq, ck) blocks of scores
 # are alive at once: two in the forward and four in the backward (P, dP, dS), since a block lives until
-# its name is rebound, so step j's blocks are made while step j - 1's still exist (study.py counts
+# its name is rebound, so step j's blocks are made while step j - 1's still exist (cost_model.py counts
 # them). Scores are kept in base 2, exp(x) = exp2(x * log2(e)), as FlashAttention does on a GPU, where exp2
 # is the native instruction; here it costs the same as exp, and log2(e) rides in the scale of the
 # product that makes S.

@@ -12,8 +12,8 @@ study.py: what attention really costs, predicted and measured on your own machin
 It sweeps the sequence length n over every attention path (naive, chunked, flash, each fused SDPA
 kernel on CUDA; ring, packed, ALiBi and approximate series when named), forward and forward+backward,
 each point in a worker process under a memory budget, and records its time (the spread of its repeats
-too), the allocator's peak above its inputs beside the memory model's (predicted_mib), RSS and TFLOP/s,
-row by row into <out>/study.csv; plots, exponents and summary.md follow. Its manual: results/README.md.
+too), the allocator's peak above its inputs beside the memory model's (predicted_mib, cost_model.py), RSS and
+TFLOP/s, row by row into <out>/study.csv; plots, exponents and summary.md follow. Its manual: results/README.md.
 """
 
 import argparse
@@ -36,8 +36,11 @@ from multiprocessing.connection import wait
 import torch
 
 import approximate_attention as approx
+import cost_model
 import minitransformer as mt
 import ring_attention
+from cost_model import (BAND, CHECKED_MIB, MIB, SDPA_SERIES, attention_pairs, computed_flops, computed_pairs,
+                        input_bytes, packed_offsets, predicted_mib)
 
 try:  # POSIX only
     import resource
@@ -52,322 +55,6 @@ COLUMNS = ["device", "torch", "dtype", "series", "path", "kernel", "mode", "caus
            "rss_mib", "tflops", "pct_matmul", "pairs", "matmul_tflops", "mem_budget_gib", "status", "noise",
            "error_random", "error_trained", "uniform_random", "uniform_trained"]
 MODES = ("fwd", "fwd+bwd")
-MIB = 2**20
-SDPA_SERIES = {"sdpa-flash": "flash", "sdpa-efficient": "efficient", "sdpa-cudnn": "cudnn"}
-
-
-# -----------------------------------------------------------------------------
-# FLOPs: the pairs each path computes
-
-
-def attention_pairs(n, causal=False, window=None):
-    """The (query, key) pairs of one (batch, head): n^2, halved by causality (as FlashAttention counts
-    it); with a window, only the pairs inside it."""
-    if window is None:
-        return n * n / (2 if causal else 1)
-    i = torch.arange(n, dtype=torch.float64)
-    before = torch.clamp(i, max=window)  # keys j in [i - w, i)
-    after = torch.clamp(n - 1 - i, max=window)  # keys j in (i, i + w]
-    return float((1 + before + (0 if causal else after)).sum())
-
-
-def attention_flops(B, H, n, D, causal=False, window=None, mode="fwd"):
-    """FLOPs of attention as FlashAttention's benchmarks count them.
-
-    Forward: two matmuls of 2 * n * n * D each per head: 4 * B * H * n^2 * D; causal
-    halves it; forward+backward is 3.5x forward (backward = 2.5x forward: five
-    matmuls instead of two). With a window, only the (i, j) pairs inside it count:
-    pass window=None for a kernel that computes every pair and masks the rest.
-    """
-    return 4 * B * H * attention_pairs(n, causal, window) * D * (3.5 if mode == "fwd+bwd" else 1.0)
-
-
-def packed_offsets(n, docs, seed=0):
-    """cu_seqlens of `docs` documents packed to n: docs - 1 distinct cuts drawn uniformly (a fixed seed), so
-    that the lengths are random, average n / docs, and vary widely, as real documents do."""
-    if not 1 <= docs <= n:
-        raise ValueError(f"cannot pack {docs} non-empty documents into n={n} tokens")
-    cuts = torch.randperm(n - 1, generator=torch.Generator().manual_seed(seed))[:docs - 1] + 1
-    return [0] + sorted(cuts.tolist()) + [n]
-
-
-def chunk_sizes(point):
-    """(query block, key block) of a chunked or ring point: its own, else the device's default."""
-    return mt._chunks(point.get("chunk_size") or mt.default_chunk_size(point["device"].split(":")[0]))
-
-
-def computed_pairs(point):
-    """The pairs one (batch, head) of a series computes: chunked skips what causality and a window hide, and
-    with documents the key blocks outside them (counted block by block, as it visits them); the fused
-    kernels skip causal pairs only when causality reaches them as a flag; naive, and SDPA given a window
-    or documents (only as an (n, n) mask), compute every pair and mask the rest."""
-    p, n = point, point["n"]
-    if p["path"] in approx.STRATEGIES:
-        return approx.SCORES[p["path"]](n, p["setting"])
-    if p.get("docs") and p["path"] == "chunked":
-        cq, ck = chunk_sizes(p)
-        offsets = packed_offsets(n, p["docs"])
-        return sum((rows.stop - rows.start) * (cols.stop - cols.start) for rows in mt._blocks(n, cq)
-                   for cols in mt._key_blocks(rows, n, ck, p["causal"], p["window"], offsets))
-    dense = p["path"] == "naive" or (p["path"] not in ("chunked", "ring") and (p["window"] or p.get("docs")
-                                                                               or str(p.get("alibi")) == "True"))
-    return attention_pairs(n, p["causal"] and not dense, None if dense else p["window"])
-
-
-def computed_flops(point):
-    """FLOPs of the pairs a series computes: attention_flops of all n^2 pairs, scaled to computed_pairs."""
-    p = point
-    return attention_flops(p["B"], p["H"], p["n"], p["D"], mode=p["mode"]) * computed_pairs(p) / p["n"] ** 2
-
-
-# -----------------------------------------------------------------------------
-# The memory model: the bytes each path holds at its peak above its inputs (q, k, v; and dout for fwd+bwd),
-# term by term: the tensors alive together in each phase of a call (the forward, the backward's block loop,
-# its end), the peak the heaviest; sizes from the code (minitransformer.py, ring_attention.py) and, for SDPA's
-# kernels, from what PyTorch's source allocates. B, H: batch and heads; Lq, Lk: query and key lengths; D, Dv:
-# head sizes of q, k and of v; itemsize: bytes of the inputs' dtype; accumulators float32 (float64 for float64).
-
-
-def _heaviest(*phases):
-    """The phase whose live tensors weigh most: its {term: bytes}."""
-    return max(phases, key=lambda terms: sum(terms.values()))
-
-
-def naive_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, masked):
-    """naive_attention: its (Lq, Lk) matrices exist whole.
-
-    fwd: S = Q K^T * scale and P = softmax(S) alive together, then out = P V. With a mask (causal,
-    window, documents): the bool mask, and P with its fully masked rows zeroed, a third (Lq, Lk) matrix.
-    fwd+bwd: P (saved for softmax's backward), dP = dO V^T and dS alive together, beside out and dV.
-    """
-    square, out = B * H * Lq * Lk * itemsize, B * H * Lq * Dv * itemsize
-    if mode == "fwd+bwd":
-        terms = {"P, dP, dS (B, H, Lq, Lk)": 3 * square, "out, dV (B, H, L, Dv)": out + B * H * Lk * Dv * itemsize}
-    elif masked:  # out = P V comes after, when S and the first P are gone
-        terms = {"S, P, P with masked rows zeroed (B, H, Lq, Lk)": 3 * square}
-    else:
-        terms = {"S, P (B, H, Lq, Lk)": 2 * square, "out (B, H, Lq, Dv)": out}
-    return {**terms, "mask (Lq, Lk) bool": Lq * Lk} if masked else terms
-
-
-# CPython 3.11 on hands a call's arguments over to the callee, which frees one when it rebinds its name
-# (_matmul's a, b = a.float(), b.float()); before 3.11 the caller keeps it alive until the call returns.
-_ARGS_HANDED_OVER = sys.version_info >= (3, 11)
-
-
-def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies, alibi=0):
-    """The blocks of one block of query rows at its heaviest moment (attend_block, attend_block_backward).
-
-    (cq, ck) blocks of scores in float32: S_j and P_j, and in the backward dP_j; a block lives until its
-    name is rebound, so with `several` key blocks those of step j - 1 are still alive while step j
-    computes its own (the backward's dS_j is P_j, updated in place, and keeps it). 16-bit inputs add
-    blocks rounded to their dtype (P_j and dS_j, for the products), which a CPU multiplies as float32
-    copies (`copies`: _matmul), beside float32 copies of the operands (rows of q or dout, key blocks of
-    k or v) and the products. Each phase: (float32 blocks, 16-bit blocks, bytes of copies and products).
-    alibi: ALiBi's bias, added to S_j in place from the distances (cq, ck), made beside it after the
-    copies its product took.
-    """
-    acc = max(itemsize, 4)
-    block, low = B * H * cq * ck * acc, B * H * cq * ck * itemsize * (itemsize < 4)
-    rows, cols = B * H * cq * acc, B * H * ck * acc  # bytes of one column of a row block, of a key block
-    kept = 0 if _ARGS_HANDED_OVER else 1  # a 16-bit argument of _matmul still alive during its product
-    if mode == "fwd" and copies:
-        phases = [(1 + several, 0, rows * D + cols * D),  # S_j = Q K_j^T beside P_{j-1}
-                  (2, 1, cols * Dv), (2, kept, cols * Dv + rows * Dv)]  # P_j V_j: P_j low and back in float32
-    elif mode == "fwd":
-        phases = [(1 + several, 0, 0), (1, 1, rows * Dv)]  # S_j beside P_{j-1}; P_j V_j (P_j low if 16-bit)
-    elif copies:  # dP_j (beside the pair of step j - 1), P_j^T dO, dS_j K_j and dS_j^T Q
-        p_then = 2 * several  # P_{j-1} (kept by dS's name) and dP_{j-1}, while dP_j is computed
-        phases = [(2 + p_then, several, rows * Dv + cols * Dv), (3 + several, 1 + several, rows * Dv),
-                  (3 + several, several + kept, rows * Dv + cols * Dv), (3, 1, rows * D + cols * D)]
-    elif several:
-        phases = [(4, 1, 0), (3, 2, cols * Dv)]
-    else:
-        phases = [(2, 1, max(cols * Dv, rows * D, cols * D))]  # a product beside P_j and dP_j
-    if alibi:  # S_j beside P_{j-1} (and dP_{j-1}, backward)
-        bwd = mode != "fwd"
-        phases.append((1 + several * (1 + bwd), several * bwd, cq * ck * acc))
-    blocks, lows, extra = max(phases, key=lambda ph: ph[0] * block + ph[1] * low + ph[2])
-    terms = {f"{blocks} blocks of scores (B, H, cq, ck) float32": blocks * block,
-             "products (and float32 copies of 16-bit operands), ALiBi's distances": extra}
-    if low:
-        terms[f"{lows} blocks in the inputs' dtype"] = lows * low
-    return terms
-
-
-def chunked_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, cq, ck, docs=False, copies=False, alibi=0):
-    """chunked_attention: linear in the lengths, plus a few (cq, ck) blocks (_block_memory).
-
-    fwd: out, per query m and log2(l), and the running output o of one block of query rows. fwd+bwd:
-    out, dQ, dK, dV accumulated in float32, m and log2(l) with the zero gradients autograd gives them;
-    16-bit inputs end with dQ, dK, dV in float32 and rounded to their dtype at once. Documents add
-    their ids and positions (documents()). copies: 16-bit products through float32 copies (CPU). alibi:
-    ALiBi's bias, added block by block (_block_memory).
-    """
-    acc, cq, ck = max(itemsize, 4), min(cq, Lq), min(ck, Lk)
-    stats = B * H * Lq * acc
-    terms = {"out (B, H, Lq, Dv)": B * H * Lq * Dv * itemsize}
-    if docs:
-        terms["document ids and positions (2, L) int64"] = 2 * Lq * 8
-    blocks = _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, Lk > ck, copies, alibi)
-    if mode == "fwd":
-        return {**terms, "m, log2(l) (B, H, Lq)": 2 * stats, "o (B, H, cq, Dv) float32": B * H * cq * Dv * acc,
-                **blocks}
-    grads = B * H * (Lq * D + Lk * D + Lk * Dv)
-    terms.update({"dQ, dK, dV float32": grads * acc, "m, log2(l) and their gradients (B, H, Lq)": 4 * stats})
-    end = {**terms, "dQ, dK, dV in the inputs' dtype": grads * itemsize} if itemsize < 4 else {}
-    return _heaviest({**terms, **blocks}, end)
-
-
-def _r(x, multiple):
-    return -(-x // multiple) * multiple
-
-
-def flash_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, kernel, masked, threads=1, alibi=0, packs=False):
-    """SDPA's fused kernels (kernel: "cpu", or on CUDA "flash", "efficient", "cudnn"), from what their
-    source allocates (PyTorch's aten/src/ATen/native/, transformers/ and cpu/):
-
-    - every kernel: out, a logsumexp (B, H, Lq) float32, and in the backward dQ, dK, dV; a window or
-      documents reach SDPA as our bool (Lq, Lk) mask, which SDPA converts to a bias in the inputs' dtype.
-    - CPU (cpu/FlashAttentionKernel.cpp): `threads` buffers of a (qs, ks) block of scores with its row
-      max, sum and output rows, float32 (qs = 32, 64 or 256 query rows as Lq grows, ks = 512 keys), and
-      for 16-bit inputs the block in their dtype; the backward holds a P and a dP block per thread and
-      copies dout into the (B, Lq, H, Dv) layout it computes in. `packs`: a CPU whose AMX computes the
-      dtype (bfloat16 from Sapphire Rapids on, float16 from Granite Rapids on) packs K and V for it in the
-      forward when Lq and Lk reach 64 (measured on this project's Xeon): copies of their size, and per thread a
-      (ks, Dv) block in the dtype. The 16-bit backward's scratch there (some hundred KiB a thread) is not modelled.
-    - CUDA, read from the source and not yet checked on a GPU. flash (cuda/flash_attn/flash_api.cpp):
-      the backward copies dout into its layout and accumulates dQ in float32 (B, Lq rounded to 128, H, D
-      rounded to 32) beside softmax_d. efficient (cuda/mem_eff_attention): the logsumexp padded to 32
-      rows (training only), a float32 output accumulator for 16-bit outputs with D > 128; the backward
-      copies dout and holds delta (B, H, Lq) and a float32 workspace for dQ, about (B, H, Lq, D) rounded
-      to its blocks. cuDNN (cudnn/MHA.cpp): softmax statistics (B, H, Lq) float32 (training only), and a
-      workspace of cuDNN's own choice that is not modelled.
-    - alibi (the heads of ALiBi's slopes): SDPA gets our float32 bias (alibi, Lq, Lk) instead of a mask it
-      converts; the forward builds it beside the (Lq, Lk) distances (and a bool mask, masked). On CUDA the
-      bias is also copied in the inputs' dtype, which is not modelled.
-    """
-    out, lse, low = B * H * Lq * Dv * itemsize, B * H * Lq * 4, itemsize < 4
-    grads = {"dQ, dK, dV": B * H * (Lq * D + Lk * D + Lk * Dv) * itemsize, "dout in the kernel's layout": out}
-    mask = {"mask as a bias (Lq, Lk)": Lq * Lk * itemsize} if masked else {}
-    if alibi:
-        mask = {"ALiBi's bias (alibi, Lq, Lk) float32": alibi * Lq * Lk * max(itemsize, 4)}
-    if kernel == "cpu":
-        qs, ks = min(Lq, 32 if Lq < 192 else 64 if Lq < 768 else 256), min(Lk, 512)
-        per_thread = (qs * ks + 2 * qs + qs * Dv) * 4 + low * qs * ks * itemsize
-        fwd = {"out (B, H, Lq, Dv)": out, "logsumexp (B, H, Lq) float32": lse, **mask,
-               "per-thread blocks (qs, ks) and rows": threads * per_thread}
-        if packs and min(Lq, Lk) >= 64:
-            fwd["K, V packed for AMX, and a (ks, Dv) block per thread"] = (B * H * Lk * (D + Dv) + threads * ks * Dv) * itemsize
-        bwd = {"out (B, H, Lq, Dv)": out, "logsumexp (B, H, Lq) float32": lse, **mask, **grads,
-               "per-thread P and dP blocks": threads * 2 * qs * ks * (4 + low * itemsize)}
-    else:
-        training = mode == "fwd+bwd"
-        stats = {"flash": lse, "efficient": B * H * _r(Lq, 32) * 4 * training, "cudnn": lse * training}[kernel]
-        fwd = {"out (B, H, Lq, Dv)": out, "logsumexp (B, H, Lq) float32": stats, **mask}
-        if kernel == "efficient" and low and Dv > 128:
-            fwd["output accumulator float32"] = B * H * Lq * Dv * 4
-        bwd = {**fwd, **grads}
-        if kernel == "flash":
-            bwd["dQ accumulator float32, softmax_d"] = B * _r(Lq, 128) * H * (_r(D, 32) + 1) * 4
-        elif kernel == "efficient":
-            block = 64 if D <= 64 else 128
-            bwd["delta, dQ workspace float32"] = B * H * (Lq + _r(Lq, block) * _r(D, block)) * 4
-    if masked and not alibi:
-        fwd["mask (Lq, Lk) bool"] = Lq * Lk
-    if alibi:  # the bias being built, beside its distances
-        fwd = _heaviest(fwd, {**mask, "distances (Lq, Lk) and a bool mask": Lq * Lk * (max(itemsize, 4) + masked)})
-    return fwd if mode == "fwd" else _heaviest(fwd, bwd)
-
-
-def ring_memory(B, H, n, D, Dv, itemsize, mode, P, cq, ck, copies=False):
-    """ring_attention on one of P ranks, each holding n / P of the queries, keys and values.
-
-    K/V blocks: the one being computed on and the one arriving, and while a pass starts also the one
-    the previous step's send request still references (at most P - 1 pairs; the rank's own inputs not
-    counted). fwd: the running output o, m and l, and the blocks of scores (_block_memory). fwd+bwd: out
-    (float32, saved), dQ, m and log2(l); dK/dV pairs in float32: this step's share, those that arrived
-    and those being sent, and while a pass starts also the share before, which views of it still hold.
-    """
-    acc, shard = max(itemsize, 4), n // P
-    cq, ck = min(cq, shard), min(ck, shard)
-    kv, dkv = B * H * shard * (D + Dv) * itemsize, B * H * shard * (D + Dv) * acc
-    base = {"o or out (B, H, n/P, Dv) float32": B * H * shard * Dv * acc, "m, l (B, H, n/P)": 2 * B * H * shard * acc}
-    blocks = _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, shard > ck, copies)
-    if mode == "fwd":
-        passing = {**base, "K, V blocks": min(P - 1, 3) * kv}
-        return _heaviest(passing, {**base, "K, V blocks": min(P - 1, 2) * kv, **blocks})
-    base["dQ (B, H, n/P, D) float32"] = B * H * shard * D * acc
-    if itemsize < 4:
-        base["out in the inputs' dtype"] = B * H * shard * Dv * itemsize
-    passing = {**base, "K, V blocks": min(P - 1, 3) * kv, "dK, dV blocks float32": 4 * dkv}
-    return _heaviest(passing, {**base, "K, V blocks": min(P - 1, 2) * kv, "dK, dV blocks float32": 3 * dkv, **blocks})
-
-
-def amx_packs(dtype):
-    """Whether this machine's CPU has AMX for dtype, with which SDPA's CPU kernel packs K and V (flash_memory)."""
-    check = {"bfloat16": "_is_amx_tile_supported", "float16": "_is_amx_fp16_supported"}.get(dtype)
-    return bool(check and getattr(torch.cpu, check, lambda: False)())
-
-
-def _masked(point):
-    """Whether a point's mask reaches the paths as an (n, n) tensor: documents, causality for naive (and beside
-    ALiBi's bias), or a window, which builds its mask (with causality in it) unless it hides nothing (mask_block)."""
-    p = point
-    window = p["window"] is not None and (p["window"] < p["n"] - 1 or p["causal"])
-    return bool(p.get("docs") or window or (p["causal"] and (p["path"] == "naive" or str(p.get("alibi")) == "True")))
-
-
-def sdpa_kernel(point):
-    """The fused kernel a flash point runs: the one measured or forced, "cpu" on a CPU, else a guess at
-    what SDPA picks on CUDA (FlashAttention takes no mask, 16-bit only, D <= 256; SDPA's own choice also
-    depends on the GPU and the torch version). None where no model applies: the math kernel, a forced
-    FlashAttention kernel in float32, or a kernel torch could not name."""
-    p = point
-    if p["path"] in SDPA_SERIES:
-        forced = SDPA_SERIES[p["path"]]
-        return None if forced == "flash" and p["dtype"] == "float32" else forced
-    if p.get("kernel"):
-        return {"flash": "cpu" if p["device"].startswith("cpu") else "flash"}.get(
-            p["kernel"], p["kernel"] if p["kernel"] in ("efficient", "cudnn") else None)
-    if p["device"].startswith("cpu"):
-        return "cpu"
-    return "efficient" if _masked(p) or p["dtype"] == "float32" or p["D"] > 256 else "flash"
-
-
-def predicted_terms(point, threads=None):
-    """{term: bytes} of a point's peak above its inputs, or None where no model applies (sdpa_kernel). A
-    study point: path, device, dtype, mode, B, H, n, D, causal, window, docs, world (and the measured
-    kernel, if any). threads: a CPU's (default: this process's). On CUDA each term is rounded up to the
-    caching allocator's 512-byte blocks; one over 1 MiB may also be counted whole when the allocator does
-    not split it, up to 1 MiB more per block, which is not predicted."""
-    p, cpu = point, point["device"].startswith("cpu")
-    B, H, n, D, mode = p["B"], p["H"], p["n"], p["D"], p["mode"]
-    alibi = H if str(p.get("alibi")) == "True" else 0  # its slopes: one per head
-    itemsize = getattr(torch, p["dtype"]).itemsize
-    copies = itemsize < 4 and (cpu or not mt._BMM_OUT_DTYPE)  # 16-bit products through float32 copies
-    if p["path"] == "naive":
-        terms = naive_memory(B, H, n, n, D, D, itemsize, mode, _masked(p))
-    elif p["path"] == "chunked":
-        terms = chunked_memory(B, H, n, n, D, D, itemsize, mode, *chunk_sizes(p), bool(p.get("docs")), copies, alibi)
-    elif p["path"] == "ring":  # its blocks are always the device's default
-        terms = ring_memory(B, H, n, D, D, itemsize, mode, p["world"], *chunk_sizes({**p, "chunk_size": None}), copies)
-    elif p["path"] in ("flash", *SDPA_SERIES) and (kernel := sdpa_kernel(p)):
-        terms = flash_memory(B, H, n, n, D, D, itemsize, mode, kernel, _masked(p), threads or torch.get_num_threads(),
-                             alibi, cpu and amx_packs(p["dtype"]))
-    else:
-        return None
-    return terms if cpu else {name: _r(size, 512) for name, size in terms.items()}
-
-
-def input_bytes(point):
-    """q, k, v, and dout for fwd+bwd: what a point holds before its call (a ring's rank: its shard)."""
-    p = point
-    tensors = 4 if p["mode"] == "fwd+bwd" else 3
-    return tensors * p["B"] * p["H"] * (p["n"] // p.get("world", 1)) * p["D"] * getattr(torch, p["dtype"]).itemsize
-
-
-CHECKED_MIB, BAND = 16.0, (0.85, 1.15)  # the model holds within BAND at every CPU point of CHECKED_MIB or more
 
 
 # -----------------------------------------------------------------------------
@@ -995,12 +682,6 @@ class CsvLog:
         self.f.close()
 
 
-def predicted_mib(point, threads=None):
-    """The model's peak above the inputs in MiB, or None where no model applies."""
-    terms = predicted_terms(point, threads)
-    return None if terms is None else sum(terms.values()) / MIB
-
-
 NOISY = 1.25  # a point whose slowest repeat took over 1.25x its fastest is measured once more, then marked
 _FORMATS = {".3f": ("ms", "ms_min", "ms_max", "comm_ms"), ".1f": ("peak_mib", "rss_mib", "predicted_mib", "pct_matmul"),
             ".4f": ("tflops", "pairs"), ".3e": COLUMNS[-4:]}  # how a measured row is written (.3e: the errors)
@@ -1252,7 +933,7 @@ def model_report(rows, curves):
     checked = [r for r in rated if float(r["peak_mib"]) >= CHECKED_MIB]
     ratios = sorted(_over_predicted(r) for r in checked)
     lines = ["", "## Measured over predicted", "",
-             "The memory model (study.py: naive_memory, chunked_memory, flash_memory, ring_memory) predicts each "
+             "The memory model (cost_model.py: naive_memory, chunked_memory, flash_memory, ring_memory) predicts each "
              "point's allocator peak above its inputs. Measured / predicted for every point; in brackets the "
              f"points below {CHECKED_MIB:g} MiB, where small tensors that the model leaves out (and on CUDA the "
              "allocator's rounding) weigh."]
@@ -1367,7 +1048,7 @@ def report(rows):
     packed = [key for key, rs in curves.items() if rs[0].get("docs")]
     if packed:
         lines += ["", "## Packed documents", "",
-                  "Every row of n tokens packs `docs` documents of random lengths (study.packed_offsets, a fixed "
+                  "Every row of n tokens packs `docs` documents of random lengths (cost_model.packed_offsets, a fixed "
                   "seed), and a query sees only its own document. Visible: the share of the n^2 pairs inside documents "
                   "(causal: l^2 / 2 each, as FlashAttention counts); computed: the share the path computes (chunked: "
                   "every pair of the key blocks it visits, pairs across documents inside them included; naive and "
@@ -1601,74 +1282,16 @@ def points(args, device_label, dtype, lengths, series, batch, modes, **extra):
             for n in lengths for s in series for mode in modes if s.max_n is None or n <= s.max_n]
 
 
-def _size(nbytes):
-    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / MIB:.1f} MiB"
-
-
 def predict(args, device, lengths, series, batch, modes):
-    """--predict: for every series and mode the model's peak, its FLOPs, whether it fits --mem-budget (the
-    peak and the inputs) and, for the device this machine has, a time lower bound: the matmuls the path
-    does at the matmul rate measured now (naive's backward recomputes nothing: 3x its forward, not 3.5x)."""
+    """--predict (cost_model.predict), with this machine's matmul rate for the time bound where it has the device."""
     dtype = choose_dtype(args.dtype, device, True)
     budget = args.mem_budget or (CPU_BUDGET_GIB if device.type == "cpu" else None)
-    here = device.type == "cpu" or torch.cuda.is_available()  # a device to measure a matmul rate on
-    bound = f"no time bound: no {device.type} here to measure"
-    if here:
-        cpu = device.type == "cpu"
-        rate = measure_matmul({"device": device.type, "dtype": dtype, "N": 2048 if cpu else 8192, "seconds": 1.0})
-        bound = (f"time >= the path's matmuls at {rate['tflops']:.3f} TFLOP/s, this {device.type}'s {dtype} rate "
-                 "measured now (FLOPs: FlashAttention's count, fwd+bwd 3.5x fwd; naive's backward does 3x)")
-    ask = device.type == "cuda" and torch.cuda.is_available()  # a GPU here: torch names SDPA's kernel itself
-    kernels = ("SDPA's kernel: the CPU's fused kernel" if device.type == "cpu" else
-               "SDPA's kernel: torch's own choice on inputs of each shape" if ask else
-               "SDPA's kernel assumed (no GPU here to ask torch): FlashAttention without a mask in 16 bits, else "
-               "the efficient kernel; on sm90 or newer torch 2.11 and later may choose cuDNN, whose workspace the "
-               "model does not cover")
-    print(f"predicted for {device.type} (the memory model: nothing measured), {dtype}, H={args.heads}, "
-          f"D={args.head_dim}{', causal' if args.causal else ''}: peak above the inputs q, k, v (and dout for "
-          f"fwd+bwd); fits: with the inputs, within {f'{budget:g} GiB' if budget else 'no budget given'}; {bound}; "
-          f"{kernels}")
-    for p in points(args, device.type, dtype, lengths, series, batch, modes):
-        line = f"{p['series']:<17} {p['mode']:<7} n={p['n']:<6} B={p['B']:<3}"
-        kernel = ""
-        if p["path"] in ("flash", *SDPA_SERIES):
-            asked = ask and _asked_kernel(p)
-            p = {**p, "kernel": asked} if asked else p
-            name = sdpa_kernel(p)
-            kernel = (f"; kernel {name}" + (" (assumed)" if p["path"] == "flash" and not asked and device.type == "cuda"
-                                             else "") + (", its workspace not modelled" if name == "cudnn" else ""))
-        if (terms := predicted_terms(p)) is None:
-            print(f"{line} not modelled: no kernel that the model covers can run it")
-            continue
-        peak, largest, flops = sum(terms.values()), max(terms, key=terms.get), computed_flops(p)
-        fits = "-" if not budget else "yes" if peak + input_bytes(p) <= budget * 2**30 else "no"
-        time_ = ""
-        if here:  # a ring's ranks share this CPU, or take one GPU each
-            ways = 1 if cpu else min(p["world"], torch.cuda.device_count())
-            matmuls = flops * (3 / 3.5 if p["path"] == "naive" and p["mode"] == "fwd+bwd" else 1)
-            time_ = f"  time >= {matmuls / ways / rate['tflops'] / 1e12:.3g} s"
-        print(f"{line} peak {_size(peak):>10}  fits {fits:<3}  {flops:9.3g} FLOPs{time_}  "
-              f"largest: {largest} ({terms[largest] / peak:.0%}){kernel}")
-
-
-def _asked_kernel(point):
-    """The kernel torch picks for a flash point on this GPU, asked on empty inputs of its shape (None: no room)."""
-    p, dtype = point, getattr(torch, point["dtype"])
-    try:
-        q, k, v = (torch.empty(p["B"], p["H"], p["n"], p["D"], device="cuda", dtype=dtype) for _ in range(3))
-        if p["path"] in SDPA_SERIES:
-            with torch.nn.attention.sdpa_kernel(mt._KERNELS[SDPA_SERIES[p["path"]]]):
-                return mt._chosen_kernel(q, k, v, None, 0.0, p["causal"], None)
-        cu_seqlens = torch.tensor(packed_offsets(p["n"], p["docs"])) if p.get("docs") else None
-        alibi = mt.alibi_slopes(p["H"]).cuda() if str(p.get("alibi")) == "True" else None
-        return mt.sdpa_kernel_name(q, k, v, is_causal=p["causal"], window_size=p["window"], cu_seqlens=cu_seqlens,
-                                   alibi_slopes=alibi)
-    except torch.cuda.OutOfMemoryError:
-        return None
-    except RuntimeError:  # no enabled kernel takes these inputs
-        return "math"
-    finally:
-        torch.cuda.empty_cache()
+    rate = None
+    if device.type == "cpu" or torch.cuda.is_available():  # a device to measure a matmul rate on
+        spec = {"device": device.type, "dtype": dtype, "N": 2048 if device.type == "cpu" else 8192, "seconds": 1.0}
+        rate = measure_matmul(spec)["tflops"]
+    cost_model.predict(points(args, device.type, dtype, lengths, series, batch, modes), device.type, dtype, budget,
+                       rate, args.causal)
 
 
 def compare(args, info, dtype, lengths, series, B, modes, runner, out, command):

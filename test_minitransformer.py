@@ -70,6 +70,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import approximate_attention as approx
+import cost_model
 import minitransformer as mt
 import ring_attention as ring
 import study
@@ -2281,7 +2282,7 @@ def ring_options_case(rank, world, layout, causal):
 
 def ring_memory_case(rank, world, mode, chunk_size):
     """This rank's peak above its inputs, measured by the allocator (study._AllocPeak), over the memory model's
-    (study.ring_memory), float32, B=1, H=8, n=2048 over `world` ranks, D=64: with the CPU's blocks of 256 a step's
+    (cost_model.ring_memory), float32, B=1, H=8, n=2048 over `world` ranks, D=64: with the CPU's blocks of 256 a step's
     compute weighs most, with blocks of 64 the start of a pass, when the most K/V and dK/dV pairs are in flight."""
     n, D, train = 2048, 64, mode == "fwd+bwd"
     g = torch.Generator().manual_seed(rank)
@@ -2299,7 +2300,7 @@ def ring_memory_case(rank, world, mode, chunk_size):
     step()  # warm-up
     with study._AllocPeak() as peak:
         step()
-    return peak.mib / (sum(study.ring_memory(1, 8, n, D, D, 4, mode, world, cq, ck).values()) / 2**20)
+    return peak.mib / (sum(cost_model.ring_memory(1, 8, n, D, D, 4, mode, world, cq, ck).values()) / 2**20)
 
 
 RING_CASES = {"attention": ring_attention_case, "encoder": ring_encoder_case, "errors": ring_errors_case,
@@ -2501,24 +2502,25 @@ def test_cuda_flash_kernel_is_fused():
 
 
 def test_attention_flops_follow_flashattention_convention():
-    assert study.attention_flops(2, 3, 128, 64) == 4 * 2 * 3 * 128 * 128 * 64
-    assert study.attention_flops(2, 3, 128, 64, causal=True) == 4 * 2 * 3 * 128 * 128 * 64 / 2
-    assert study.attention_flops(2, 3, 128, 64, mode="fwd+bwd") == 3.5 * study.attention_flops(2, 3, 128, 64)
+    assert cost_model.attention_flops(2, 3, 128, 64) == 4 * 2 * 3 * 128 * 128 * 64
+    assert cost_model.attention_flops(2, 3, 128, 64, causal=True) == 4 * 2 * 3 * 128 * 128 * 64 / 2
+    assert cost_model.attention_flops(2, 3, 128, 64, mode="fwd+bwd") == 3.5 * cost_model.attention_flops(2, 3, 128, 64)
     n, w = 11, 3  # with a window, exactly the visible pairs count
     local = sum(1 for i in range(n) for j in range(n) if abs(i - j) <= w)
     local_causal = sum(1 for i in range(n) for j in range(n) if 0 <= i - j <= w)
-    assert study.attention_flops(1, 1, n, 1, window=w) == 4 * local
-    assert study.attention_flops(1, 1, n, 1, causal=True, window=w) == 4 * local_causal
+    assert cost_model.attention_flops(1, 1, n, 1, window=w) == 4 * local
+    assert cost_model.attention_flops(1, 1, n, 1, causal=True, window=w) == 4 * local_causal
     point = {"B": 1, "H": 1, "n": n, "D": 1, "causal": True, "window": w, "mode": "fwd"}  # what each path computes
-    assert study.computed_flops({**point, "path": "chunked"}) == 4 * local_causal
-    assert study.computed_flops({**point, "path": "flash"}) == study.computed_flops({**point, "path": "naive"}) == 4 * n * n
-    assert study.computed_flops({**point, "path": "flash", "window": None}) == 4 * n * n / 2  # is_causal as a flag
+    assert cost_model.computed_flops({**point, "path": "chunked"}) == 4 * local_causal
+    assert cost_model.computed_flops({**point, "path": "flash"}) == cost_model.computed_flops(
+        {**point, "path": "naive"}) == 4 * n * n
+    assert cost_model.computed_flops({**point, "path": "flash", "window": None}) == 4 * n * n / 2  # is_causal as a flag
 
 
 def test_packed_study_counts_the_pairs_each_path_computes(monkeypatch):
     n, docs = 200, 6
-    offsets = study.packed_offsets(n, docs)
-    assert offsets == study.packed_offsets(n, docs)  # a fixed seed
+    offsets = cost_model.packed_offsets(n, docs)
+    assert offsets == cost_model.packed_offsets(n, docs)  # a fixed seed
     assert len(offsets) == docs + 1 and offsets[0] == 0 and offsets[-1] == n and sorted(set(offsets)) == offsets
     # the same count made another way: the blocks a real chunked call scores, its forward and backward
     scored, scores = [], mt._scores
@@ -2529,10 +2531,11 @@ def test_packed_study_counts_the_pairs_each_path_computes(monkeypatch):
         scored.clear()
         mt.chunked_attention(q, k, v, is_causal=causal, cu_seqlens=torch.tensor(offsets), chunk_size=(32, 16)).sum().backward()
         point = {"n": n, "docs": docs, "causal": causal, "window": None, "chunk_size": (32, 16), "device": "cpu:x"}
-        assert study.computed_pairs({**point, "path": "chunked"}) == sum(scored) / 2
-        assert study.computed_pairs({**point, "path": "naive"}) == study.computed_pairs({**point, "path": "flash"}) == n * n
+        assert cost_model.computed_pairs({**point, "path": "chunked"}) == sum(scored) / 2
+        assert cost_model.computed_pairs({**point, "path": "naive"}) == cost_model.computed_pairs(
+            {**point, "path": "flash"}) == n * n
     visible = sum((b - a) ** 2 for a, b in zip(offsets, offsets[1:]))
-    assert visible < study.computed_pairs({**point, "causal": False, "path": "chunked"}) < n * n / 2
+    assert visible < cost_model.computed_pairs({**point, "causal": False, "path": "chunked"}) < n * n / 2
 
 
 def test_memory_model_terms_that_no_measurement_here_can_check():
@@ -2546,21 +2549,21 @@ def test_memory_model_terms_that_no_measurement_here_can_check():
         return sum(terms.values())
     for Lq, qs in ((100, 32), (200, 64), (800, 256)):  # SDPA's CPU kernel: per thread a (qs, ks) block, its max
         per_thread = (qs * 512 + 2 * qs + qs * Dv) * 4  # and sum, and qs output rows, float32
-        assert total(study.flash_memory(B, H, Lq, 600, D, Dv, 4, "fwd", "cpu", False, threads=3)) == (
+        assert total(cost_model.flash_memory(B, H, Lq, 600, D, Dv, 4, "fwd", "cpu", False, threads=3)) == (
             B * H * Lq * Dv * 4 + B * H * Lq * 4 + 3 * per_thread)
     # CUDA flash backward: out, logsumexp, dout copied, dQ, dK, dV, the dQ accumulator and softmax_d
-    assert total(study.flash_memory(1, 2, 1000, 1000, 40, 40, 2, "fwd+bwd", "flash", False)) == (
+    assert total(cost_model.flash_memory(1, 2, 1000, 1000, 40, 40, 2, "fwd+bwd", "flash", False)) == (
         2 * 2 * 1000 * 40 * 2 + 2 * 1000 * 4 + 3 * 2 * 1000 * 40 * 2 + 1 * 1024 * 2 * (64 + 1) * 4)
     # which points have an (n, n) mask, and which kernel SDPA runs
     point = {"device": "cpu", "path": "flash", "n": 300, "causal": False, "window": 400, "docs": None,
              "dtype": "float32", "D": 64}
-    assert not study._masked(point) and study._masked({**point, "causal": True})  # causality rides in the mask
-    assert study._masked({**point, "window": 298}) and not study._masked({**point, "window": 299})
-    assert study.sdpa_kernel({**point, "kernel": "math"}) is None  # no model for the math kernel
-    assert study.sdpa_kernel({**point, "device": "cuda", "path": "sdpa-flash"}) is None  # float32: cannot run
-    assert study.sdpa_kernel({**point, "device": "cuda", "dtype": "bfloat16", "window": None}) == "flash"
-    assert study.sdpa_kernel({**point, "device": "cuda", "dtype": "bfloat16", "window": 100}) == "efficient"
-    assert study.sdpa_kernel({**point, "device": "cuda", "kernel": "cudnn"}) == "cudnn"  # torch's own choice
+    assert not cost_model._masked(point) and cost_model._masked({**point, "causal": True})  # causality rides in the mask
+    assert cost_model._masked({**point, "window": 298}) and not cost_model._masked({**point, "window": 299})
+    assert cost_model.sdpa_kernel({**point, "kernel": "math"}) is None  # no model for the math kernel
+    assert cost_model.sdpa_kernel({**point, "device": "cuda", "path": "sdpa-flash"}) is None  # float32: cannot run
+    assert cost_model.sdpa_kernel({**point, "device": "cuda", "dtype": "bfloat16", "window": None}) == "flash"
+    assert cost_model.sdpa_kernel({**point, "device": "cuda", "dtype": "bfloat16", "window": 100}) == "efficient"
+    assert cost_model.sdpa_kernel({**point, "device": "cuda", "kernel": "cudnn"}) == "cudnn"  # torch's own choice
 
 
 def _measured_peak_mib(path, mode, B, H, L, D, Dv, dtype, chunk_size=None, causal=False, window=None, docs=None,
@@ -2572,7 +2575,7 @@ def _measured_peak_mib(path, mode, B, H, L, D, Dv, dtype, chunk_size=None, causa
     v = torch.randn(B, H, L, Dv, generator=g).to(dt).requires_grad_(train)
     dout = torch.randn(B, H, L, Dv, generator=g).to(dt)
     kw = dict(is_causal=causal, window_size=window, alibi_slopes=mt.alibi_slopes(H) if alibi else None,
-              cu_seqlens=torch.tensor(study.packed_offsets(L, docs)) if docs else None)
+              cu_seqlens=torch.tensor(cost_model.packed_offsets(L, docs)) if docs else None)
     call = {"naive": lambda: mt.naive_attention(q, k, v, **kw)[0],
             "chunked": lambda: mt.chunked_attention(q, k, v, chunk_size=chunk_size, **kw),
             "flash": lambda: mt.flash_attention(q, k, v, on_math="raise", **kw)}[path]
@@ -2625,13 +2628,13 @@ def test_memory_model_predicts_the_allocators_peak():
                  "docs": kw.get("docs"), "alibi": kw.get("alibi", False)}
         alibi = H if kw.get("alibi") else 0
         if path == "naive":
-            terms = study.naive_memory(B, H, L, L, D, Dv, itemsize, mode, study._masked(point))
+            terms = cost_model.naive_memory(B, H, L, L, D, Dv, itemsize, mode, cost_model._masked(point))
         elif path == "chunked":
-            terms = study.chunked_memory(B, H, L, L, D, Dv, itemsize, mode, *kw.get("chunk_size", (256, 256)),
+            terms = cost_model.chunked_memory(B, H, L, L, D, Dv, itemsize, mode, *kw.get("chunk_size", (256, 256)),
                                          docs=bool(kw.get("docs")), copies=itemsize < 4, alibi=alibi)
         else:
-            terms = study.flash_memory(B, H, L, L, D, Dv, itemsize, mode, "cpu", study._masked(point), threads, alibi,
-                                       study.amx_packs(dtype))
+            terms = cost_model.flash_memory(B, H, L, L, D, Dv, itemsize, mode, "cpu", cost_model._masked(point),
+                                            threads, alibi, cost_model.amx_packs(dtype))
         measured = _measured_peak_mib(path, mode, B, H, L, D, Dv, dtype, **kw)
         assert 0.97 < measured / (sum(terms.values()) / 2**20) < 1.03, (path, mode, L, dtype, kw, measured, terms)
 
@@ -2664,7 +2667,7 @@ def test_predict_prints_every_series_and_mode_with_counts_made_here(capsys, monk
                 assert line.endswith("; kernel cpu" if device == "cpu" else "(assumed)" if not timed else "")
         naive = next(line for line in lines if line.startswith("naive ") and " fwd " in line)
         S_and_P, out = 2 * B * H * n**2 * 2, B * H * n * D * 2  # two (8, 16, n, n) bfloat16 matrices, 256 GiB each
-        assert f"peak {study._size(S_and_P + out):>10}  fits no" in naive
+        assert f"peak {cost_model._size(S_and_P + out):>10}  fits no" in naive
     study.main(["--predict", "--device", "cuda", "--lengths", "1024", "--dtype", "float32", "--series", "sdpa-flash"])
     assert capsys.readouterr().out.strip().splitlines()[1].endswith("not modelled: no kernel that the model covers "
                                                                     "can run it")  # FlashAttention takes no float32
@@ -2676,7 +2679,7 @@ def test_predict_names_the_kernel_torch_chose_on_a_gpu(capsys, monkeypatch):
     monkeypatch.setattr(study.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(study.torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(study, "measure_matmul", lambda spec: {"tflops": 100.0})
-    monkeypatch.setattr(study, "_asked_kernel", lambda point: "cudnn")
+    monkeypatch.setattr(cost_model, "_asked_kernel", lambda point: "cudnn")
     study.main(["--predict", "--device", "cuda", "--lengths", "4096", "--dtype", "bfloat16", "--series", "flash"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert "SDPA's kernel: torch's own choice" in lines[0]
@@ -2684,7 +2687,7 @@ def test_predict_names_the_kernel_torch_chose_on_a_gpu(capsys, monkeypatch):
              "docs": None, "B": int(lines[1].split("B=")[1].split()[0]), "H": 8, "D": 64, "n": 4096, "world": 1,
              "kernel": "cudnn"}
     assert lines[1].endswith("; kernel cudnn, its workspace not modelled")
-    assert f"peak {study._size(sum(study.predicted_terms(point).values())):>10}" in lines[1]
+    assert f"peak {cost_model._size(sum(cost_model.predicted_terms(point).values())):>10}" in lines[1]
 
 
 @pytest.mark.parametrize("series,B,H,n", [("naive", 1, 8, 1024), ("chunked", 4, 16, 1024), ("flash", 4, 16, 1024)])
@@ -2946,7 +2949,7 @@ def test_study_measures_a_ring_series_across_two_processes(tmp_path):
     ring = rows[("ring2", 256)]
     assert ring["world"] == "2" and ring["kernel"] == "ring" and 0 <= float(ring["comm_ms"]) <= float(ring["ms"])
     assert rows[("chunked", 256)]["comm_ms"] == "" and rows[("chunked", 256)]["world"] == "1"
-    assert study.BAND[0] < float(ring["peak_mib"]) / float(ring["predicted_mib"]) < study.BAND[1]  # per rank
+    assert cost_model.BAND[0] < float(ring["peak_mib"]) / float(ring["predicted_mib"]) < cost_model.BAND[1]  # per rank
     assert "| ring2 (P=2) | fwd+bwd | 256 |" in (tmp_path / "summary.md").read_text()
 
 
