@@ -215,7 +215,9 @@ def _profiled(**kwargs):
 
 class _AllocPeak:
     """Peak bytes held by PyTorch's CPU allocator during a call, from its own record of every
-    allocation and free (the profiler's memory events): tensors only, exact, no OS noise."""
+    allocation and free (the profiler's memory events): tensors only, exact, no OS noise. The peak is the
+    largest rise above the lowest point before it: a free of a block made before the call is no part of its
+    peak, and the profiler may report one with the size of what an earlier measurement made at that address."""
 
     def __enter__(self):
         self.profiling = _profiled(profile_memory=True)
@@ -226,10 +228,11 @@ class _AllocPeak:
         self.profiling.__exit__(*exc)
         events = sorted((e.start_ns(), e.nbytes()) for e in self.prof.profiler.kineto_results.events()
                         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
-        held = peak = 0
+        held = low = peak = 0
         for _, nbytes in events:  # frees come as negative sizes
             held += nbytes
-            peak = max(peak, held)
+            low = min(low, held)
+            peak = max(peak, held - low)
         self.mib = peak / MIB
 
 
