@@ -63,7 +63,7 @@ from torch.nn.attention import SDPBackend
 # F.scaled_dot_product_attention: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv)
 # (D is the tutorials' d_k); attn_mask is bool, True where a query may attend to a key, and broadcasts to
 # (B, H, Lq, Lk) (a key-padding mask is (B, 1, 1, Lk)); is_causal lets query i see keys j <= i, together
-# with attn_mask. A query that may see no key gets 0. float32 or float64.
+# with attn_mask. A query that may see no key gets 0. float32 or float64: 16 bits are refused by name.
 
 
 def _visible(keep, is_causal, rows, cols, device):
@@ -162,16 +162,16 @@ class BlockwiseAttention(torch.autograd.Function):
 
 def blockwise_attention(q, k, v, attn_mask=None, is_causal=False, block_size=64):
     """standard_attention's result by BlockwiseAttention, in blocks of block_size queries and keys;
-    differentiable. float32 or float64 (chunked_attention below adds 16-bit precision)."""
-    if q.dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"blockwise_attention computes in float32 or float64, got {q.dtype}")
+    differentiable."""
     if block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size}")
     return BlockwiseAttention.apply(q, k, v, _keep(attn_mask, q, k), is_causal, block_size)
 
 
 def _keep(attn_mask, q, k):
-    """attn_mask as a (B, H, Lq, Lk) view (broadcast, not copied), or None."""
+    """attn_mask as a (B, H, Lq, Lk) view (broadcast, not copied), or None, for q of a dtype the core takes."""
+    if q.dtype not in (torch.float32, torch.float64):  # its sums in 16 bits would be far off: a clear error
+        raise TypeError(f"the core computes in float32 or float64, got {q.dtype} (chunked_attention: 16 bits)")
     if attn_mask is None:
         return None
     if attn_mask.dtype != torch.bool:

@@ -54,6 +54,7 @@ CUDA-only tests skip without a GPU.
 
 import contextlib
 import datetime
+import itertools
 import json
 import math
 import os
@@ -241,8 +242,9 @@ def test_core_refuses_what_it_does_not_do():
     for core in CORE.values():
         with pytest.raises(TypeError, match="attn_mask must be bool, True where a query may attend, got torch.float64"):
             core(q, k, v, attn_mask=torch.zeros(8, 8, dtype=torch.float64))
-    with pytest.raises(TypeError, match="blockwise_attention computes in float32 or float64, got torch.bfloat16"):
-        mt.blockwise_attention(*(t.bfloat16() for t in (q, k, v)))
+    for core, dtype in itertools.product(CORE.values(), (torch.bfloat16, torch.float16)):  # both, by name
+        with pytest.raises(TypeError, match=rf"the core computes in float32 or float64, got {dtype} \(chunked"):
+            core(*(t.to(dtype) for t in (q, k, v)))
     with pytest.raises(ValueError, match="block_size must be a positive int, got 0"):
         mt.blockwise_attention(q, k, v, block_size=0)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]  # its backward is not differentiable: an error, not
