@@ -4,29 +4,36 @@ minitransformer: a Transformer encoder in one file, read top-down like a short p
 1. The core, between "core begins" and "core ends": standard attention and FlashAttention-2's
    blockwise attention, forward and backward, in their plainest correct form. It needs only
    `import math` and `import torch`: copy it into your own file.
-2. The hardened paths, each tested equal to the core: naive (the textbook formula with every
-   convention of PyTorch's F.scaled_dot_product_attention), chunked (the blockwise algorithm with
-   masks, windows, packed documents, dropout, FlashAttention-2's precision recipe, as one compiled
-   operator) and flash (PyTorch's fused kernels, never falling back silently).
-3. Multi-head attention, positional encodings, the encoder layer, the config and the encoder.
-4. Training on a task that needs attention (mixed precision, checkpoints, DDP), then the command line.
-ring_attention.py continues the chunked path across devices; study.py measures what each path costs.
+2. The model: multi-head attention, positional encodings, the encoder layer, the config and the
+   encoder; then training on a task that needs attention (mixed precision, checkpoints, DDP), and
+   the command line.
+3. The appendix: the hardened paths that the model's attention runs through (attention(), impl=),
+   each tested equal to the core. naive: the textbook formula with every convention of PyTorch's
+   F.scaled_dot_product_attention; chunked: the blockwise algorithm with masks, windows, packed
+   documents, ALiBi, dropout and FlashAttention-2's precision recipe, as one custom operator
+   (torch.library) that torch.compile sees as a single call; flash: PyTorch's fused kernels, the
+   kernel that runs named and a warning (or an error) before the unfused math kernel would run,
+   except under torch.compile and where torch cannot tell (MPS, XPU). The input checks come last.
+ring_attention.py continues the chunked path across devices; approximate_attention.py holds the
+tutorials' approximate ways out; study.py measures what each path costs, and cost_model.py predicts it.
 
-Where each idea of a Transformer tutorial lives:
+Where each idea of a Transformer tutorial lives, in the order of the file:
     scaled dot-product attention        standard_attention (core); naive_attention
+    O(n^2) memory of the scores         standard_attention; measured by study.py, predicted by cost_model.py
+    chunked computation, FlashAttention blockwise_attention (core: the algorithm); chunked_attention;
+                                        flash_attention (PyTorch's kernels)
     multi-head attention                MultiHeadAttention (d_model % n_heads checked, head size < 32 warned)
     positional encodings                SinusoidalPositionalEncoding, LearnedPositionalEncoding,
-                                        RotaryEmbedding; relative: alibi_slopes (alibi_slopes= of every path)
+                                        RotaryEmbedding; relative: alibi_slopes (alibi_slopes= of naive,
+                                        chunked and flash; the ring refuses it)
     encoder layer: residuals, LayerNorm EncoderLayer (post-LN as in the paper, or pre-LN), Encoder
-    O(n^2) memory of the scores         standard_attention, naive_attention; measured by study.py
-    chunked computation                 blockwise_attention (core); chunked_attention
-    local and sparse attention          window_size= of every hardened path; any pattern as a bool attn_mask
-    FlashAttention                      blockwise_attention (the algorithm); flash_attention (PyTorch's)
+    attention heatmaps                  Encoder.attention_weights, save_heatmap
     mixed precision                     _train (autocast), optimizer_step (GradScaler): --amp bf16 or fp16
     gradient clipping                   optimizer_step: the gradients unscaled first, then clipped
     learning-rate warm-up               lr_factor: linear warm-up, then cosine decay
     label smoothing                     TrainConfig.label_smoothing (0.1, as in the paper)
-    attention heatmaps                  Encoder.attention_weights, save_heatmap
+    local and sparse attention          window_size= of every hardened path; any pattern as a bool attn_mask;
+                                        approximate_attention.py: strided, linear, low-rank, compressed
 
 References:
 1) Vaswani et al. 2017, "Attention Is All You Need": https://arxiv.org/abs/1706.03762
@@ -1031,7 +1038,9 @@ def parse_args(argv=None):
 # - dropout_p, scale, and under autocast float32 q, k, v computed and returned in autocast's dtype;
 # - in float16 and bfloat16 FlashAttention's rule: an error against float64 at most twice that of
 #   standard attention computed in the inputs' dtype;
-# - torch.compile(fullgraph=True), and no tensor value read on the host in forward or backward.
+# - torch.compile(fullgraph=True), and no host-device sync in forward or backward: off the CPU nothing is read
+#   on the host (a CPU has no device to wait for: there the checks read values to name them, and flash looks
+#   at a float mask for far rows).
 
 # Masks: which keys a query sees, and ALiBi's bias. One visibility rule (causality, window, documents,
 # attn_mask, ALiBi) serves every path: naive and flash ask mask_block for the whole score matrix, chunked
@@ -1525,13 +1534,14 @@ def _drop(t, keep_bits):
 
 
 # -----------------------------------------------------------------------------
-# flash: the core's result by PyTorch's fused kernels (SDPA), with every convention above, and the
-# kernel that runs named and checked, never a silent fall-back. A fused kernel runs the online
-# softmax inside one kernel: its blocks of scores stay in on-chip memory, and no (Lq, Lk)
-# matrix is written out. "flash" names SDPA's fused path, not only the FlashAttention kernel:
-# SDPA picks among FlashAttention, memory-efficient and cuDNN kernels (on CUDA any attn_mask
-# rules FlashAttention out), and where none accepts the inputs it falls back to its unfused
-# math kernel without a word; so we ask which kernel runs, about the very inputs it gets.
+# flash: the core's result by PyTorch's fused kernels (SDPA), with every convention above, and the kernel
+# that runs named. A fused kernel runs the online softmax inside one kernel: its blocks of scores stay in
+# on-chip memory, and no (Lq, Lk) matrix is written out. "flash" names SDPA's fused path, not only the
+# FlashAttention kernel: SDPA picks among FlashAttention, memory-efficient and cuDNN kernels (on CUDA any
+# attn_mask rules FlashAttention out), and where none accepts the inputs it falls back to its unfused math
+# kernel without a word; so we ask which kernel runs, about the very inputs it gets, and warn or raise before
+# the math kernel would. Under torch.compile, which picks its own, and where torch cannot tell (MPS, XPU),
+# SDPA runs unchecked.
 
 _KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
