@@ -46,9 +46,11 @@ What is checked, against what, to which tolerance:
 - ring attention, 1 / 2 / 3 gloo processes, both layouts, causal and not, scale, Dv != D, a group of its own;
   the sharded encoder; bad shards and what the ring refuses: SDPA math on the whole sequence, float64 /
   bfloat16; the unsharded encoder (1e-10 / FlashAttention's rule).
-- study: FLOP counts, exponents, CSV resume, OOM, the memory wall (also without /proc or RLIMIT_AS, and
-  without the resource module), unsupported kernels, a killed worker, output folders, a faked CUDA device, a
-  ring series of 2 processes: brute-force counts, synthetic curves, monkeypatched torch.cuda (exact).
+- study and cost_model: FLOP counts, exponents, CSV resume, OOM, the memory wall (also without /proc or
+  RLIMIT_AS, and without the resource module), unsupported kernels, a killed worker, output folders, a faked
+  CUDA device, a ring series of 2 processes, every declared series' measured call: brute-force counts,
+  synthetic curves, monkeypatched torch.cuda, the path called with the options its name gives (exact); the
+  memory model at a point of every series kind: the allocator (3%).
 CUDA-only tests skip without a GPU.
 """
 
@@ -2600,7 +2602,8 @@ def test_memory_model_predicts_the_allocators_peak():
     # the model against the allocator's record of every allocation, within 3% (the study's band is 15%),
     # at shapes where each phase's terms weigh: B, H, D, Dv and the block sizes differ, float32 and
     # bfloat16 (its float32 copies), one and several key blocks, causal, a window (and one that hides
-    # nothing), documents. SDPA's CPU kernel needs D = Dv; its bfloat16 backward keeps some hundred KiB
+    # nothing), documents, ALiBi: a point of every kind of series the study declares but the ring's (its own
+    # test) and the approximate strategies'. SDPA's CPU kernel needs D = Dv; its bfloat16 backward keeps some hundred KiB
     # of scratch the model leaves out, so that point is taken large.
     threads = torch.get_num_threads()
     cases = [("naive", "fwd", 2, 3, 512, 48, 24, "float32", {}),
@@ -2615,6 +2618,9 @@ def test_memory_model_predicts_the_allocators_peak():
              ("chunked", "fwd+bwd", 2, 3, 1024, 24, 48, "float32", {"chunk_size": (64, 128)}),
              ("chunked", "fwd+bwd", 2, 4, 1024, 32, 32, "bfloat16", {"causal": True}),
              ("chunked", "fwd+bwd", 2, 4, 1024, 32, 32, "float32", {"docs": 8}),
+             ("chunked", "fwd+bwd", 2, 3, 1024, 48, 24, "float32", {"window": 100, "chunk_size": (128, 64)}),
+             ("chunked", "fwd", 2, 3, 1024, 48, 24, "bfloat16", {"window": 100, "causal": True}),
+             ("naive", "fwd", 2, 3, 512, 48, 24, "float32", {"docs": 8}),
              ("flash", "fwd+bwd", 2, 3, 1024, 48, 48, "float32", {}),
              ("flash", "fwd", 2, 3, 1024, 48, 48, "bfloat16", {"window": 100}),
              ("flash", "fwd", 2, 3, 300, 48, 48, "float32", {"window": 400, "causal": True}),
@@ -2988,6 +2994,72 @@ def test_ring_series_run_only_when_named(tmp_path, capsys):
     study.main(["--device", "cpu", "--lengths", "64,128", "--series", "ring4", "--out", str(tmp_path / "b")],
                runner=fake_runner(calls := []))
     assert {series for series, _, _ in calls} == {"ring4"}
+
+
+def named_options(name, sweep_causal):
+    """What a study series' name says it measures, read from the name alone: a path and its options (the
+    window, documents and ALiBi in the name; causality in it, or in the whole sweep's --causal)."""
+    if m := re.fullmatch(r"(naive|chunked|flash)(-causal)?(?:-window(\d+))?(?:-packed(\d+))?(-alibi)?", name):
+        return m[1], dict(causal=sweep_causal or bool(m[2]), window=m[3] and int(m[3]), docs=m[4] and int(m[4]),
+                          alibi=bool(m[5]))
+    if m := re.fullmatch(r"(strided|linear|lowrank|compressed)(\d*)|(ring)(\d)|sdpa-(flash|efficient|cudnn)", name):
+        return m[1] or m[3] or "sdpa", dict(causal=sweep_causal, setting=m[2] and int(m[2]), world=m[4] and int(m[4]),
+                                           kernel=m[5])
+    raise AssertionError(f"a series name that says nothing known: {name}")
+
+
+def named_call(path, o, q, k, v):
+    """The path called directly with the options of its name (named_options), each strategy by its function."""
+    B, H, n, D = q.shape
+    kw = dict(is_causal=o["causal"], window_size=o.get("window"),
+              cu_seqlens=torch.tensor(cost_model.packed_offsets(n, o["docs"])) if o.get("docs") else None,
+              alibi_slopes=mt.alibi_slopes(H) if o.get("alibi") else None)
+    if path in mt.IMPLS:
+        return mt.attention(q, k, v, impl=path, **kw)
+    if path == "strided":
+        return approx.strided_attention(q, k, v, o["setting"], o["causal"])
+    if path == "linear":
+        return approx.linear_attention(q, k, v, o["causal"])
+    if path == "lowrank":
+        torch.manual_seed(0)  # its E and F as the module draws them
+        E, F_ = approx.LowRankAttention(o["setting"], n).to(q.dtype).parameters()
+        return approx.low_rank_attention(q, k, v, E[:, :n], F_[:, :n])
+    if path == "compressed":
+        mean = torch.eye(D, dtype=q.dtype)[:, :, None].expand(D, D, o["setting"]) / o["setting"]  # its start
+        return approx.memory_compressed_attention(q, k, v, mean, mean)
+    if path == "ring":  # one rank of a group of its own computes the whole sequence
+        return ring.ring_attention(q, k, v, is_causal=o["causal"])
+    with sdpa_kernel(mt._KERNELS[o["kernel"]]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=o["causal"])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_series_measures_what_its_name_says(causal, tmp_path):
+    # every series the study declares (CPU and CUDA), through the very call it measures (study._attention_call
+    # on the spec study.points makes of it), against the path called directly with the options its name gives;
+    # n = 320 past the window of 256; the CUDA kernels forced where this CPU runs them (sdpa-flash)
+    args, _ = study.parse_args(["--heads", "2", "--head-dim", "16", "--batch", "2"])
+    declared = study.default_series(torch.device("cuda"), causal, 256, gpus=4)
+    assert {s.name for s in study.default_series(torch.device("cpu"), causal, 256)} <= {s.name for s in declared}
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for s in declared:
+            path, options = named_options(s.name, causal)
+            spec = {**study.points(args, "cpu", "float64", [320], [s], 2, ["fwd"])[0], "kernel": None}
+            q, k, v = make_qkv(2, 2, 320, 320, 16)
+            assert s.world == (options.get("world") or 1), s
+            torch.manual_seed(0)  # a strategy's random parameters, as named_call draws them
+            try:
+                fn, _ = study._attention_call(spec, q, k, v)
+            except study.PointUnsupported:  # a forced CUDA kernel this CPU has not
+                assert path == "sdpa" and options["kernel"] != "flash", s
+                continue
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # flash in float64: the math kernel, as the study allows
+                measured, direct = fn(), named_call(path, options, q, k, v)
+            torch.testing.assert_close(measured, direct, atol=1e-12, rtol=0, msg=lambda m: f"{s.name}: {m}")
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def test_an_exponent_needs_three_doublings_and_growth_above_noise():
