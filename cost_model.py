@@ -14,14 +14,15 @@ window or the documents, for the paths that skip the rest); forward+backward 3.5
 Peak memory above q, k, v (and dout for fwd+bwd), the heaviest phase of a call (the forward, each step of
 the block loops, the backward's end); accumulators and statistics float32:
 
-    naive     fwd:     S and P, 2 * B*H*n^2 * e, and out (a mask: P with masked rows zeroed, a third, and
-                       the bool mask, n^2 bytes)
-              fwd+bwd: P, dP, dS, 3 * B*H*n^2 * e, and out, dV
+    naive     fwd:     S and P, 2 * B*H*n^2 * e, and out; with a mask S, P and P with its masked rows zeroed,
+                       3 * B*H*n^2 * e (out comes after them), and the bool mask, n^2 bytes
+              fwd+bwd: P, dP, dS, 3 * B*H*n^2 * e, and out, dV (and a mask's n^2 bytes)
     chunked   fwd:     out; m, log2 l, 2 * B*H*n * 4; o, B*H*cq*Dv * 4; two blocks of scores, B*H*cq*ck * 4 each
               fwd+bwd: out; dQ, dK, dV in float32, B*H*n*(2D + Dv) * 4; m, log2 l and their gradients; four blocks
     flash     fwd:     out; logsumexp, B*H*n * 4; per CPU thread a (qs, ks) block with its rows (a mask: our bool
                        mask and SDPA's bias made of it, n^2 * (1 + e))
-              fwd+bwd: as fwd, and dQ, dK, dV, dout in the kernel's layout, per thread a P and a dP block
+              fwd+bwd: out, logsumexp (a mask), dQ, dK, dV, dout in the kernel's layout, per thread a P and a
+                       dP block; or the forward's peak where it weighs more (a CPU's AMX packs K and V there)
     ring      per rank (n / P each): o, m, l; K/V pairs in flight; fwd+bwd: out, dQ, and dK/dV pairs in float32
 
 A block lives until its name is rebound, so with several key blocks step j's blocks are computed while
@@ -81,7 +82,8 @@ def chunk_sizes(point):
 
 
 def computed_pairs(point):
-    """The pairs one (batch, head) of a series computes: chunked skips what causality and a window hide, and
+    """The pairs one (batch, head) of a series computes: chunked skips what causality and a window hide (counted
+    as the visible pairs, FlashAttention's convention, though it computes the whole key blocks it visits), and
     with documents the key blocks outside them (counted block by block, as it visits them); the fused
     kernels skip causal pairs only when causality reaches them as a flag; naive, and SDPA given a window
     or documents (only as an (n, n) mask), compute every pair and mask the rest."""
@@ -216,7 +218,7 @@ def flash_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, kernel, masked, threads=1,
       for 16-bit inputs the block in their dtype; the backward holds a P and a dP block per thread and
       copies dout into the (B, Lq, H, Dv) layout it computes in. `packs`: a CPU whose AMX computes the
       dtype (bfloat16 from Sapphire Rapids on, float16 from Granite Rapids on) packs K and V for it in the
-      forward when Lq and Lk reach 64 (measured on this project's Xeon): copies of their size, and per thread a
+      forward when Lq and Lk reach 64 (measured on an Intel Xeon with AMX-BF16): copies of their size, and per thread a
       (ks, Dv) block in the dtype. The 16-bit backward's scratch there (some hundred KiB a thread) is not modelled.
     - CUDA, read from the source and not yet checked on a GPU. flash (cuda/flash_attn/flash_api.cpp):
       the backward copies dout into its layout and accumulates dQ in float32 (B, Lq rounded to 128, H, D

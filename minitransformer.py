@@ -8,12 +8,13 @@ minitransformer: a Transformer encoder in one file, read top-down like a short p
    encoder; then training on a task that needs attention (mixed precision, checkpoints, DDP), and
    the command line.
 3. The appendix: the hardened paths that the model's attention runs through (attention(), impl=),
-   each tested equal to the core. naive: the textbook formula with every convention of PyTorch's
-   F.scaled_dot_product_attention; chunked: the blockwise algorithm with masks, windows, packed
-   documents, ALiBi, dropout and FlashAttention-2's precision recipe, as one custom operator
-   (torch.library) that torch.compile sees as a single call; flash: PyTorch's fused kernels, the
-   kernel that runs named and a warning (or an error) before the unfused math kernel would run,
-   except under torch.compile and where torch cannot tell (MPS, XPU). The input checks come last.
+   each tested equal to the core. Hardened: the same maths with everything real use asks for (masks,
+   windows, packed documents, ALiBi, dropout, 16-bit dtypes, torch.compile, input checks). naive: the
+   textbook formula with every convention of PyTorch's F.scaled_dot_product_attention; chunked: the
+   blockwise algorithm with FlashAttention-2's precision recipe, as one custom operator (torch.library)
+   that torch.compile sees as a single call; flash: PyTorch's fused kernels, which it asks which kernel
+   runs, warning (or raising) before SDPA would fall back to its slow unfused math kernel, except under
+   torch.compile and where torch cannot tell (MPS, XPU). The input checks come last.
 ring_attention.py continues the chunked path across devices; approximate_attention.py holds the
 tutorials' approximate ways out; study.py measures what each path costs, and cost_model.py predicts it.
 
@@ -70,7 +71,27 @@ from torch.nn.attention import SDPBackend
 # F.scaled_dot_product_attention: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv)
 # (D is the tutorials' d_k); attn_mask is bool, True where a query may attend to a key, and broadcasts to
 # (B, H, Lq, Lk) (a key-padding mask is (B, 1, 1, Lk)); is_causal lets query i see keys j <= i, together
-# with attn_mask. A query that may see no key gets 0. float32 or float64: 16 bits are refused by name.
+# with attn_mask. A query that may see no key gets 0. float32 or float64: 16 bits and autocast are refused
+# by name.
+
+
+def _checked_mask(attn_mask, q, k):
+    """attn_mask as a (B, H, Lq, Lk) view (broadcast, not copied), or None, for inputs the core takes: float32
+    or float64 outside autocast (which would run its products in 16 bits, whose sums would be far off)."""
+    autocast = torch.is_autocast_enabled(q.device.type)
+    if q.dtype not in (torch.float32, torch.float64) or autocast:
+        raise TypeError(f"the core computes in float32 or float64 outside autocast, got {q.dtype}"
+                        f"{' under autocast' * autocast}; 16 bits: chunked_attention, FlashAttention-2's recipe")
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype != torch.bool:
+        raise TypeError(f"attn_mask must be bool, True where a query may attend, got {attn_mask.dtype}")
+    return attn_mask.expand(*q.shape[:-1], k.size(-2))
+
+
+def _blocks(L, size):
+    """Consecutive slices of at most `size` positions that cover 0 .. L-1."""
+    return [slice(i, min(i + size, L)) for i in range(0, L, size)]
 
 
 def _visible(keep, is_causal, rows, cols, device):
@@ -98,7 +119,7 @@ def standard_attention(q, k, v, attn_mask=None, is_causal=False):
 
     The scores exist whole: B * H * Lq * Lk numbers, the memory that blockwise_attention saves.
     """
-    s = _block_scores(q, k, _keep(attn_mask, q, k), is_causal, slice(0, q.size(-2)), slice(0, k.size(-2)))
+    s = _block_scores(q, k, _checked_mask(attn_mask, q, k), is_causal, slice(0, q.size(-2)), slice(0, k.size(-2)))
     p = torch.softmax(s, dim=-1)  # (B, H, Lq, Lk)
     p = p.masked_fill(torch.isneginf(s).all(-1, keepdim=True), 0.0)  # no key visible: 0, not softmax's NaN
     return p @ v
@@ -172,29 +193,15 @@ def blockwise_attention(q, k, v, attn_mask=None, is_causal=False, block_size=64)
     differentiable."""
     if block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size}")
-    return BlockwiseAttention.apply(q, k, v, _keep(attn_mask, q, k), is_causal, block_size)
-
-
-def _keep(attn_mask, q, k):
-    """attn_mask as a (B, H, Lq, Lk) view (broadcast, not copied), or None, for q of a dtype the core takes."""
-    if q.dtype not in (torch.float32, torch.float64):  # its sums in 16 bits would be far off: a clear error
-        raise TypeError(f"the core computes in float32 or float64, got {q.dtype} (chunked_attention: 16 bits)")
-    if attn_mask is None:
-        return None
-    if attn_mask.dtype != torch.bool:
-        raise TypeError(f"attn_mask must be bool, True where a query may attend, got {attn_mask.dtype}")
-    return attn_mask.expand(*q.shape[:-1], k.size(-2))
-
-
-def _blocks(L, size):
-    """Consecutive slices of at most `size` positions that cover 0 .. L-1."""
-    return [slice(i, min(i + size, L)) for i in range(0, L, size)]
+    return BlockwiseAttention.apply(q, k, v, _checked_mask(attn_mask, q, k), is_causal, block_size)
 # core ends
 
 
 # -----------------------------------------------------------------------------
 # The model: multi-head attention, positional encodings, the encoder layer, the config and the encoder.
 # Its attention goes through attention(), which runs a path of the appendix (impl=) or a function of yours.
+# It also uses, from the appendix: padding_mask and causal_mask (bool masks), documents (the positions of
+# packed documents), naive_attention (for the weights a heatmap shows) and default_chunk_size.
 
 IMPLS = ("naive", "chunked", "flash")
 POS_ENCODINGS = ("sinusoidal", "learned", "rope", "alibi")
@@ -204,7 +211,12 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
               window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None):
     """Attention through impl: one of IMPLS, or a function with SDPA's arguments, window_size=, cu_seqlens=
     and, only where given, alibi_slopes= (ring_attention.ring_impl, approximate_attention's modules).
-    q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv)."""
+    q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv). The arguments, as the appendix's
+    header states them: attn_mask bool (True = may attend) or float (added to the scores), broadcast to
+    (B, H, Lq, Lk); dropout_p on the weights; is_causal: query i sees keys j <= i; scale: 1/sqrt(D) unless
+    given; window_size=w: keys with |i - j| <= w; cu_seqlens: the CPU int offsets [0, l_1, l_1 + l_2, ..., L]
+    of documents packed side by side in every row, each attending only to itself; alibi_slopes: ALiBi's
+    per-head slopes (alibi_slopes()); chunk_size: the chunked path's blocks."""
     kw = dict(window_size=window_size, cu_seqlens=cu_seqlens)
     kw |= {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}  # a function without it still runs
     if callable(impl):
@@ -250,6 +262,12 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x, attn_mask=None, is_causal=False, need_weights=False, positions=None,
                 cu_seqlens=None):
+        """x (B, T, C) -> (B, T, C), and with need_weights also the weights (B, nh, T, T) (naive path).
+
+        attn_mask: bool, True where a query may attend, or float, added to the scores; it broadcasts to
+        (B, nh, T, T), so a key-padding mask is (B, 1, 1, T): padding_mask(lengths, T). is_causal: query i sees
+        keys j <= i. positions: the (T,) positions of x's rows, for RoPE; cu_seqlens: documents packed in every
+        row (documents(), in the appendix)."""
         if x.dim() != 3 or x.size(-1) != self.d_model:
             raise ValueError(f"expected x of shape (B, T, {self.d_model}), got {tuple(x.shape)}")
         B, T, C = x.size()
@@ -509,7 +527,8 @@ class Encoder(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):  # unit scale: tokens (times sqrt(d_model)) and positions alike
+        elif isinstance(module, nn.Embedding):  # std 1/sqrt(d): times sqrt(d) in _embed, tokens have unit scale,
+            # as the sinusoidal and learned positions they are added to
             nn.init.normal_(module.weight, std=module.embedding_dim ** -0.5 if module is self.embed else 1.0)
 
     def num_params(self):
@@ -595,7 +614,8 @@ def packed_reverse_batch(T, min_len, max_len, vocab_size, gen, host_gen):
     cu_seqlens (int32, CPU). Lengths are drawn as reverse_batch draws them, on the host, while they fit;
     the rest of the row is one more sequence if at least min_len long, else padding, a document of its
     own that no real token sees. Empty documents fill cu_seqlens up to T // min_len + 2 entries (at most
-    T // min_len sequences and the padding): no shape changes from step to step."""
+    T // min_len sequences and the padding): no shape changes from step to step, so torch.compile does not
+    recompile."""
     offsets = [0]
     while True:
         length = int(torch.randint(min_len, max_len + 1, (), generator=host_gen))
@@ -913,7 +933,8 @@ def _train(cfg, device, rank, world, say):
     bad = torch.zeros(2, device=device)  # the loss and gradient norm of bad_step, the first non-finite step
     for step in range(start, last):
         # the batch is a function of (seed, rank, step) alone: resuming needs no data-loader state,
-        # and it is made on the device: no host-to-device copy per step
+        # and it is made on the device (with --pack its cu_seqlens live on the CPU, and the paths copy the
+        # document ids they derive from them to the device, pinned and non-blocking)
         batch_seed = (cfg.seed * 1_000_003 + step) * 1009 + rank
         gen = torch.Generator(device).manual_seed(batch_seed)
         if cfg.pack:  # documents drawn on the host, where the chunked path reads their boundaries
@@ -1038,9 +1059,9 @@ def parse_args(argv=None):
 # - dropout_p, scale, and under autocast float32 q, k, v computed and returned in autocast's dtype;
 # - in float16 and bfloat16 FlashAttention's rule: an error against float64 at most twice that of
 #   standard attention computed in the inputs' dtype;
-# - torch.compile(fullgraph=True), and no host-device sync in forward or backward: off the CPU nothing is read
-#   on the host (a CPU has no device to wait for: there the checks read values to name them, and flash looks
-#   at a float mask for far rows).
+# - torch.compile(fullgraph=True), and no host-device sync in forward or backward: off the CPU no device tensor
+#   is read on the host (cu_seqlens lives on the CPU; a CPU has no device to wait for: there the checks read
+#   values to name them, and flash looks at a float mask for far rows).
 
 # Masks: which keys a query sees, and ALiBi's bias. One visibility rule (causality, window, documents,
 # attn_mask, ALiBi) serves every path: naive and flash ask mask_block for the whole score matrix, chunked
@@ -1224,7 +1245,8 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 #
 # As in the core, each block of query rows visits the key blocks (cols) it sees, keeping per query m,
 # l and o, and out = o / l at the end. Beside the per-query statistics a few (cq, ck) blocks of scores
-# are alive at once: two in the forward and four in the backward (P, dP, dS), since a block lives until
+# are alive at once: two in the forward and four in the backward (P and dP of this step and the last, dS
+# being P updated in place), since a block lives until
 # its name is rebound, so step j's blocks are made while step j - 1's still exist (cost_model.py counts
 # them). Scores are kept in base 2, exp(x) = exp2(x * log2(e)), as FlashAttention does on a GPU, where exp2
 # is the native instruction; here it costs the same as exp, and log2(e) rides in the scale of the

@@ -447,8 +447,17 @@ def describe_device(spec):
     if spec["device"] == "cuda":
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         return {**info, "label": f"cuda:{props.name}", "bf16": native_bf16(), "memory_bytes": props.total_memory}
-    label = f"cpu:{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+    label = f"cpu:{_cpu_name()} ({torch.get_num_threads()} threads)"
     return {**info, "label": label, "bf16": True, "memory_bytes": _available_bytes()}
+
+
+def _cpu_name():
+    """The CPU's model (Linux's /proc/cpuinfo), else what platform knows of it: bfloat16 depends on it (AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 # -----------------------------------------------------------------------------

@@ -49,7 +49,7 @@ What is checked, against what, to which tolerance:
 - study and cost_model: FLOP counts, exponents, CSV resume, OOM, the memory wall (also without /proc or
   RLIMIT_AS, and without the resource module), unsupported kernels, a killed worker, output folders, a faked
   CUDA device, a ring series of 2 processes, every declared series' measured call: brute-force counts,
-  synthetic curves, monkeypatched torch.cuda, the path called with the options its name gives (exact); the
+  synthetic curves, monkeypatched torch.cuda, the path called with the options its name gives (1e-12); the
   memory model at a point of every series kind: the allocator (3%).
 CUDA-only tests skip without a GPU.
 """
@@ -245,8 +245,10 @@ def test_core_refuses_what_it_does_not_do():
         with pytest.raises(TypeError, match="attn_mask must be bool, True where a query may attend, got torch.float64"):
             core(q, k, v, attn_mask=torch.zeros(8, 8, dtype=torch.float64))
     for core, dtype in itertools.product(CORE.values(), (torch.bfloat16, torch.float16)):  # both, by name
-        with pytest.raises(TypeError, match=rf"the core computes in float32 or float64, got {dtype} \(chunked"):
+        with pytest.raises(TypeError, match=rf"the core computes in float32 or float64 outside autocast, got {dtype};"):
             core(*(t.to(dtype) for t in (q, k, v)))
+        with torch.autocast("cpu", dtype), pytest.raises(TypeError, match=r"got torch.float64 under autocast; 16"):
+            core(q, k, v)  # autocast would run its products in 16 bits
     with pytest.raises(ValueError, match="block_size must be a positive int, got 0"):
         mt.blockwise_attention(q, k, v, block_size=0)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]  # its backward is not differentiable: an error, not
@@ -3009,13 +3011,23 @@ def named_options(name, sweep_causal):
 
 
 def named_call(path, o, q, k, v):
-    """The path called directly with the options of its name (named_options), each strategy by its function."""
+    """(output, kernel label) of the path called directly with the options of its name (named_options), each
+    strategy by its function; packed rows hold as many documents as the name says, none empty."""
     B, H, n, D = q.shape
+    offsets = cost_model.packed_offsets(n, o["docs"]) if o.get("docs") else None
+    assert offsets is None or (len(offsets) == o["docs"] + 1 and offsets[0] == 0 and offsets[-1] == n
+                               and all(a < b for a, b in zip(offsets, offsets[1:])))
     kw = dict(is_causal=o["causal"], window_size=o.get("window"),
-              cu_seqlens=torch.tensor(cost_model.packed_offsets(n, o["docs"])) if o.get("docs") else None,
+              cu_seqlens=None if offsets is None else torch.tensor(offsets),
               alibi_slopes=mt.alibi_slopes(H) if o.get("alibi") else None)
     if path in mt.IMPLS:
-        return mt.attention(q, k, v, impl=path, **kw)
+        return mt.attention(q, k, v, impl=path, **kw), mt.sdpa_kernel_name(q, k, v, **kw) if path == "flash" else path
+    return named_strategy(path, o, q, k, v), o["kernel"] if path == "sdpa" else path
+
+
+def named_strategy(path, o, q, k, v):
+    """The output of an approximate strategy, a ring of one rank or a forced SDPA kernel, named by its series."""
+    n, D = q.shape[-2:]
     if path == "strided":
         return approx.strided_attention(q, k, v, o["setting"], o["causal"])
     if path == "linear":
@@ -3034,30 +3046,45 @@ def named_call(path, o, q, k, v):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_every_series_measures_what_its_name_says(causal, tmp_path):
-    # every series the study declares (CPU and CUDA), through the very call it measures (study._attention_call
-    # on the spec study.points makes of it), against the path called directly with the options its name gives;
-    # n = 320 past the window of 256; the CUDA kernels forced where this CPU runs them (sdpa-flash)
-    args, _ = study.parse_args(["--heads", "2", "--head-dim", "16", "--batch", "2"])
-    declared = study.default_series(torch.device("cuda"), causal, 256, gpus=4)
+def test_every_series_measures_what_its_name_says(causal, tmp_path, monkeypatch):
+    # every series the study declares (CPU and CUDA, and a chunked one with blocks of its own as --series names
+    # it), through the very call it measures (study._attention_call on the spec study.points makes of it): its
+    # path, processes, blocks and kernel label (the CSV's, which picks the memory model's kernel), and its output
+    # against the path called directly with the options its name gives (1e-12); n = 320 past the window of 256;
+    # the forced CUDA kernels run where this CPU has them (sdpa-flash)
+    args, parser = study.parse_args(["--heads", "2", "--head-dim", "16", "--batch", "2", "--series", "chunked@64x128"]
+                                    + ["--causal"] * causal)
+    declared = study.default_series(torch.device("cuda"), causal, 256, gpus=4) + study.configure(args, parser)[2]
     assert {s.name for s in study.default_series(torch.device("cpu"), causal, 256)} <= {s.name for s in declared}
+    blocks, called = [], []  # the blocks the chunked path was given; the paths that ran
+    monkeypatch.setattr(mt, "_chunks", lambda size, chunks=mt._chunks: blocks.append(chunks(size)) or blocks[-1])
+    for name in mt.IMPLS:
+        monkeypatch.setattr(mt, f"{name}_attention", lambda *a, name=name, f=getattr(mt, f"{name}_attention"), **kw:
+                            called.append(name) or f(*a, **kw))
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         for s in declared:
-            path, options = named_options(s.name, causal)
+            path, options = named_options(s.name.partition("@")[0], causal)
             spec = {**study.points(args, "cpu", "float64", [320], [s], 2, ["fwd"])[0], "kernel": None}
+            assert spec["path"] == (s.name if path == "sdpa" else path) and spec["world"] == (options.get("world") or 1)
             q, k, v = make_qkv(2, 2, 320, 320, 16)
-            assert s.world == (options.get("world") or 1), s
             torch.manual_seed(0)  # a strategy's random parameters, as named_call draws them
             try:
-                fn, _ = study._attention_call(spec, q, k, v)
+                fn, label = study._attention_call(spec, q, k, v)
             except study.PointUnsupported:  # a forced CUDA kernel this CPU has not
                 assert path == "sdpa" and options["kernel"] != "flash", s
                 continue
+            blocks.clear()
+            called.clear()
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # flash in float64: the math kernel, as the study allows
-                measured, direct = fn(), named_call(path, options, q, k, v)
+                warnings.simplefilter("ignore")  # a strategy's own warnings
+                measured, ran = fn(), list(called)
+                direct, named_label = named_call(path, options, q, k, v)
+            assert ran == ([path] if path in mt.IMPLS else []), (s.name, ran)
             torch.testing.assert_close(measured, direct, atol=1e-12, rtol=0, msg=lambda m: f"{s.name}: {m}")
+            assert label == named_label, (s.name, label, named_label)
+            if "@" in s.name:  # the blocks the name gives reach the chunked path
+                assert blocks[0] == (64, 128), (s.name, blocks)
     finally:
         torch.distributed.destroy_process_group()
 
