@@ -65,28 +65,34 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 # core begins
 # Attention in its plainest correct form, forward and backward. Conventions are those of PyTorch's
-# F.scaled_dot_product_attention: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv)
-# (D is the tutorials' d_k); attn_mask is bool, True where a query may attend to a key, and broadcasts to
-# (B, H, Lq, Lk) (a key-padding mask is (B, 1, 1, Lk)); is_causal lets query i see keys j <= i, together
-# with attn_mask. A query that may see no key gets 0. float32 or float64: 16 bits and autocast are refused
-# by name.
+# F.scaled_dot_product_attention: q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv)
+# (D: the tutorials' d_k; H_kv = H, or a divisor of H for grouped-query attention, query head h reading K/V
+# head h // (H / H_kv)); attn_mask is bool, True where a query may attend to a key, broadcast to (B, H, Lq, Lk)
+# (key padding: (B, 1, 1, Lk)); is_causal lets query i see keys j <= i, with attn_mask, aligned top-left as
+# SDPA's (a KV cache's bottom-right: the hardened paths). A query that may see no key gets 0. float32 or
+# float64: 16 bits and autocast are refused by name.
 
 
-def _checked_mask(attn_mask, q, k):
-    """attn_mask as a (B, H, Lq, Lk) view (broadcast, not copied), or None, for inputs the core takes: float32
-    or float64 outside autocast (which would run its products in 16 bits, whose sums would be far off)."""
+def _grouped(q, k, v, attn_mask):
+    """q (.., H, Lq, D) as (.., H_kv, G, Lq, D), k, v (.., H_kv, Lk, D) as (.., H_kv, 1, Lk, D): each K/V head broadcast
+    over the G = H / H_kv query heads that read it; attn_mask as a bool view of q's (.., Lq, Lk) (None: every key
+    visible). 16 bits, or autocast's 16-bit products, are refused: their sums would be far off."""
     autocast = torch.is_autocast_enabled(q.device.type)
     if q.dtype not in (torch.float32, torch.float64) or autocast:
         raise TypeError(f"the core computes in float32 or float64 outside autocast, got {q.dtype}"
                         f"{' under autocast' * autocast}; 16 bits: chunked_attention, FlashAttention-2's recipe")
-    if attn_mask is None:
-        return None
-    if attn_mask.dtype != torch.bool:
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
         raise TypeError(f"attn_mask must be bool, True where a query may attend, got {attn_mask.dtype}")
-    return attn_mask.expand(*q.shape[:-1], k.size(-2))
+    keep = None if attn_mask is None else attn_mask.expand(*q.shape[:-1], k.size(-2))
+    if q.dim() > 2:  # heads
+        G = q.size(-3) // k.size(-3)
+        q, k, v = q.unflatten(-3, (-1, G)), k.unsqueeze(-3), v.unsqueeze(-3)
+        keep = None if keep is None else keep.unflatten(-3, (-1, G))
+    return q, k, v, keep
 
 
 def _blocks(L, size):
@@ -94,23 +100,16 @@ def _blocks(L, size):
     return [slice(i, min(i + size, L)) for i in range(0, L, size)]
 
 
-def _visible(keep, is_causal, rows, cols, device):
-    """May the queries at positions `rows` see the keys at positions `cols` (two slices)? A bool mask
-    broadcastable to (B, H, rows, cols), True where they may, or None where every key is visible.
-    keep: the attn_mask as a (B, H, Lq, Lk) view, or None."""
+def _block_scores(q, k, keep, is_causal, rows, cols):
+    """S = Q K^T / sqrt(D) + M for the queries `rows` and keys `cols` (two slices), (.., rows, cols): M = 0 where
+    a query may see a key, -inf where it may not (keep: the attn_mask as a view of q's (.., Lq, Lk), or None).
+    Not -1e9: a query that sees no key would then average V."""
+    s = q[..., rows, :] @ k[..., cols, :].transpose(-2, -1) / math.sqrt(q.size(-1))
     mask = None if keep is None else keep[..., rows, cols]
     if is_causal:
-        i = torch.arange(rows.start, rows.stop, device=device)[:, None]  # (rows, 1)
-        j = torch.arange(cols.start, cols.stop, device=device)[None, :]  # (1, cols)
+        i = torch.arange(rows.start, rows.stop, device=q.device)[:, None]  # (rows, 1)
+        j = torch.arange(cols.start, cols.stop, device=q.device)[None, :]  # (1, cols)
         mask = j <= i if mask is None else mask & (j <= i)
-    return mask
-
-
-def _block_scores(q, k, keep, is_causal, rows, cols):
-    """S = Q K^T / sqrt(D) + M for the queries `rows` and keys `cols`, (B, H, rows, cols): M = 0 where a
-    query may see a key, -inf where it may not. Not -1e9: a query that sees no key would then average V."""
-    s = q[..., rows, :] @ k[..., cols, :].transpose(-2, -1) / math.sqrt(q.size(-1))
-    mask = _visible(keep, is_causal, rows, cols, q.device)
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
@@ -119,10 +118,11 @@ def standard_attention(q, k, v, attn_mask=None, is_causal=False):
 
     The scores exist whole: B * H * Lq * Lk numbers, the memory that blockwise_attention saves.
     """
-    s = _block_scores(q, k, _checked_mask(attn_mask, q, k), is_causal, slice(0, q.size(-2)), slice(0, k.size(-2)))
-    p = torch.softmax(s, dim=-1)  # (B, H, Lq, Lk)
+    q5, k5, v5, keep = _grouped(q, k, v, attn_mask)
+    s = _block_scores(q5, k5, keep, is_causal, slice(0, q.size(-2)), slice(0, k.size(-2)))
+    p = torch.softmax(s, dim=-1)  # (B, H_kv, G, Lq, Lk)
     p = p.masked_fill(torch.isneginf(s).all(-1, keepdim=True), 0.0)  # no key visible: 0, not softmax's NaN
-    return p @ v
+    return (p @ v5).reshape(*q.shape[:-1], v.size(-1))  # (B, H, Lq, Dv)
 
 
 class BlockwiseAttention(torch.autograd.Function):
@@ -146,7 +146,7 @@ class BlockwiseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, keep, is_causal, block_size):
-        *batch, Lq, _ = q.shape  # batch: (B, H)
+        *batch, Lq, _ = q.shape  # batch: (B, H_kv, G), as _grouped lays the heads out
         Lk = k.size(-2)
         out = q.new_empty(*batch, Lq, v.size(-1))
         lse = q.new_empty(*batch, Lq, 1)
@@ -155,7 +155,7 @@ class BlockwiseAttention(torch.autograd.Function):
             l = torch.zeros_like(m)
             o = q.new_zeros(*batch, rows.stop - rows.start, v.size(-1))
             for cols in _blocks(min(Lk, rows.stop) if is_causal else Lk, block_size):  # causal: j < rows.stop
-                s = _block_scores(q, k, keep, is_causal, rows, cols)  # (B, H, rows, cols)
+                s = _block_scores(q, k, keep, is_causal, rows, cols)  # (B, H_kv, G, rows, cols)
                 m_new = torch.maximum(m, s.amax(-1, keepdim=True))
                 m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # no key seen yet: exp(-inf), no NaN
                 p = torch.exp(s - m_safe)  # P~
@@ -175,16 +175,17 @@ class BlockwiseAttention(torch.autograd.Function):
         q, k, v, out, lse, keep = ctx.saved_tensors
         size, scale = ctx.block_size, 1.0 / math.sqrt(q.size(-1))
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        delta = (dout * out).sum(-1, keepdim=True)  # Delta = rowsum(dO * O), (B, H, Lq, 1)
+        delta = (dout * out).sum(-1, keepdim=True)  # Delta = rowsum(dO * O), (B, H_kv, G, Lq, 1)
         for cols in _blocks(k.size(-2), size):  # keys outside, as in Algorithm 2: dK_j, dV_j summed in place
             first = cols.start // size if ctx.is_causal else 0  # causal: the first query block to reach cols
             for rows in _blocks(q.size(-2), size)[first:]:  # (query and key blocks have one size)
                 p = torch.exp(_block_scores(q, k, keep, ctx.is_causal, rows, cols) - lse[..., rows, :])  # P
-                dv[..., cols, :] += p.transpose(-2, -1) @ dout[..., rows, :]
+                dv_j, dk_j = dv[..., cols, :], dk[..., cols, :]  # views, added to in place
+                dv_j += (p.transpose(-2, -1) @ dout[..., rows, :]).sum_to_size(dv_j.shape)  # summed over G
                 dp = dout[..., rows, :] @ v[..., cols, :].transpose(-2, -1)
                 ds = p * (dp - delta[..., rows, :])
                 dq[..., rows, :] += ds @ k[..., cols, :] * scale
-                dk[..., cols, :] += ds.transpose(-2, -1) @ q[..., rows, :] * scale
+                dk_j += (ds.transpose(-2, -1) @ q[..., rows, :] * scale).sum_to_size(dk_j.shape)
         return dq, dk, dv, None, None, None
 
 
@@ -193,7 +194,8 @@ def blockwise_attention(q, k, v, attn_mask=None, is_causal=False, block_size=64)
     differentiable."""
     if block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size}")
-    return BlockwiseAttention.apply(q, k, v, _checked_mask(attn_mask, q, k), is_causal, block_size)
+    out = BlockwiseAttention.apply(*_grouped(q, k, v, attn_mask), is_causal, block_size)  # (B, H_kv, G, Lq, Dv)
+    return out.reshape(*q.shape[:-1], v.size(-1))  # (B, H, Lq, Dv)
 # core ends
 
 
@@ -208,17 +210,20 @@ POS_ENCODINGS = ("sinusoidal", "learned", "rope", "alibi")
 
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, impl="flash",
-              window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None):
+              window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None, enable_gqa=False):
     """Attention through impl: one of IMPLS, or a function with SDPA's arguments, window_size=, cu_seqlens=
-    and, only where given, alibi_slopes= (ring_attention.ring_impl, approximate_attention's modules).
-    q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv). The arguments, as the appendix's
-    header states them: attn_mask bool (True = may attend) or float (added to the scores), broadcast to
-    (B, H, Lq, Lk); dropout_p on the weights; is_causal: query i sees keys j <= i; scale: 1/sqrt(D) unless
-    given; window_size=w: keys with |i - j| <= w; cu_seqlens: the CPU int offsets [0, l_1, l_1 + l_2, ..., L]
-    of documents packed side by side in every row, each attending only to itself; alibi_slopes: ALiBi's
-    per-head slopes (alibi_slopes()); chunk_size: the chunked path's blocks."""
+    and, only where given, alibi_slopes= and enable_gqa= (ring_attention.ring_impl, approximate_attention's
+    modules). q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv). The arguments, as the
+    appendix's header states them: attn_mask bool (True = may attend) or float (added to the scores), broadcast
+    to (B, H, Lq, Lk), or SDPA's CausalBias; dropout_p on the weights; is_causal: query i sees keys j <= i,
+    aligned top-left as SDPA's (attn_mask=causal_lower_right(Lq, Lk) aligns causality, the window and ALiBi
+    bottom-right, as a KV cache needs); scale: 1/sqrt(D) unless given; window_size=w: keys with |i - j| <= w;
+    cu_seqlens: the CPU int offsets [0, l_1, l_1 + l_2, ..., L] of documents packed side by side in every row,
+    each attending only to itself; alibi_slopes: ALiBi's per-head slopes (alibi_slopes()); chunk_size: the
+    chunked path's blocks; enable_gqa: k and v have H_kv heads, a divisor of H (grouped-query attention)."""
     kw = dict(window_size=window_size, cu_seqlens=cu_seqlens)
     kw |= {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}  # a function without it still runs
+    kw |= {"enable_gqa": True} if enable_gqa else {}
     if callable(impl):
         return impl(q, k, v, attn_mask, dropout_p, is_causal, scale, **kw)
     if impl == "naive":
@@ -1103,9 +1108,11 @@ def documents(cu_seqlens, L, device=None):
     return both.to(device, non_blocking=True).unbind()
 
 
-def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, doc_ids=None, offsets=None,
+def mask_block(attn_mask, rows, cols, *, is_causal=False, shift=0, window_size=None, doc_ids=None, offsets=None,
                alibi_slopes=None, scores=None, device=None):
-    """The mask of scores[..., rows, cols] (rows, cols: slices of query and key positions).
+    """The mask of scores[..., rows, cols] (rows, cols: slices of the queries and of the keys), query i sitting at
+    key position i + shift for causality, the window and ALiBi: shift 0 is top-left, Lk - Lq bottom-right, and a
+    () tensor on the device (a static KV cache's length) builds the whole block, nothing read on the host.
 
     Returns a bool mask (True = keep), a float mask (added to the scores), or None (keep every key),
     broadcastable to (B, H, rows, cols). Causality, the window and documents are built from positions, and
@@ -1115,15 +1122,16 @@ def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, doc_
     -slope * |i - j| in the slopes' dtype (the same within a document), joins the mask; or, given the block's
     scores (B, H, rows, cols), S_ij -= slope * |i - j| in place, with no block of its own."""
     q0, q1, k0, k1 = rows.start, rows.stop, cols.start, cols.stop
-    causal = is_causal and k1 - 1 > q0  # some key lies after some query
-    local = window_size is not None and (k1 - 1 - q0 > window_size or q1 - 1 - k0 > window_size)
+    p0, p1, anywhere = q0 + shift, q1 + shift, torch.is_tensor(shift)  # the queries' positions
+    causal = is_causal and (anywhere or k1 - 1 > p0)  # some key lies after some query
+    local = window_size is not None and (anywhere or k1 - 1 - p0 > window_size or p1 - 1 - k0 > window_size)
     # a boundary b cuts the block where min(q0, k0) < b < max(q1, k1): bisect_right counts the offsets at
     # or before min(q0, k0), bisect_left those before max(q1, k1); where they differ, b lies between
     cut = doc_ids is not None and (offsets is None or bisect.bisect_right(offsets, min(q0, k0))
                                 < bisect.bisect_left(offsets, max(q1, k1)))
     keep = doc_ids[rows, None] == doc_ids[None, cols] if cut else None  # (rows, cols): the same document
     if causal or local:
-        i = torch.arange(q0, q1, device=device)[:, None]  # (rows, 1)
+        i = torch.arange(q0, q1, device=device)[:, None] + shift  # (rows, 1)
         j = torch.arange(k0, k1, device=device)[None, :]  # (1, cols)
         if causal:
             keep = j <= i if keep is None else keep & (j <= i)
@@ -1132,7 +1140,7 @@ def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, doc_
             keep = near if keep is None else keep & near
     if alibi_slopes is not None:  # the bias, with what keep and the attn_mask hide at -inf
         i, j = (torch.arange(a, b, device=device, dtype=alibi_slopes.dtype) for a, b in ((q0, q1), (k0, k1)))
-        distance = (j - i[:, None]).abs_()  # (rows, cols)
+        distance = (j - (i[:, None] + shift)).abs_()  # (rows, cols)
         if scores is not None:
             scores.addcmul_(alibi_slopes, distance, value=-1)  # S -= slope * |i - j|: no product block made
         else:
@@ -1152,15 +1160,15 @@ def mask_block(attn_mask, rows, cols, *, is_causal=False, window_size=None, doc_
     return m & keep if m.dtype == torch.bool else m.masked_fill(~keep, float("-inf"))
 
 
-def _key_blocks(rows, Lk, ck, is_causal, window_size, offsets=None):
-    """Slices of the key blocks of size ck that queries `rows` can see: blocks that causality, the window
-    or documents (offsets: cu_seqlens as a list) hide are never computed, and the visited range is cut
-    to the visible keys."""
+def _key_blocks(rows, Lk, ck, is_causal, window_size, offsets=None, shift=0):
+    """Slices of the key blocks of size ck that queries `rows` (at key positions i + shift) can see: blocks that
+    causality, the window or documents (offsets: cu_seqlens as a list) hide are never computed, and the visited
+    range is cut to the visible keys."""
     lo, hi = 0, Lk
     if is_causal:
-        hi = min(hi, rows.stop)  # keys j <= i < rows.stop
+        hi = min(hi, rows.stop + shift)  # keys j <= i + shift < rows.stop + shift
     if window_size is not None:
-        lo, hi = max(lo, rows.start - window_size), min(hi, rows.stop + window_size)
+        lo, hi = max(lo, rows.start + shift - window_size), min(hi, rows.stop + shift + window_size)
     if offsets is not None:  # from the start of the first query's document to the end of the last query's:
         lo = max(lo, offsets[bisect.bisect_right(offsets, rows.start) - 1])  # the last offset <= rows.start
         hi = min(hi, offsets[bisect.bisect_left(offsets, rows.stop)])  # the first offset >= rows.stop
@@ -1214,17 +1222,22 @@ def _sdpa_conventions(q, k, v, scale):
 
 
 def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, window_size=None,
-                    cu_seqlens=None, alibi_slopes=None):
+                    cu_seqlens=None, alibi_slopes=None, enable_gqa=False):
     """Attention(Q, K, V) = softmax(Q K^T * scale + M) V,  scale = 1/sqrt(D) by default.
 
     Returns out (B, H, Lq, Dv) and the weights (B, H, Lq, Lk) it used, after dropout, so that
     out == weights @ v. Standard attention as it is written: computed in the inputs' dtype (softmax
-    accumulates in float32 inside), a float mask (and ALiBi's bias, built whole) added in float32 or wider."""
-    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
+    accumulates in float32 inside), a float mask (and ALiBi's bias, built whole) added in float32 or wider.
+    Causality top-left, or bottom-right with causal_lower_right; with enable_gqa K and V repeated per query head."""
+    q, k, v, attn_mask, is_causal, shift, scale = _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale,
+                                                                  window_size, cu_seqlens, enable_gqa)
     Lq, Lk = q.size(-2), k.size(-2)
     doc_ids = None if cu_seqlens is None else documents(cu_seqlens, Lq, q.device)[0]
-    mask = mask_block(attn_mask, slice(0, Lq), slice(0, Lk), is_causal=is_causal, window_size=window_size,
-                      doc_ids=doc_ids, alibi_slopes=_check_alibi(alibi_slopes, q), device=q.device)
+    mask = mask_block(attn_mask, slice(0, Lq), slice(0, Lk), is_causal=is_causal, shift=shift,
+                      window_size=window_size, doc_ids=doc_ids, alibi_slopes=_check_alibi(alibi_slopes, q),
+                      device=q.device)
+    if k.size(1) != q.size(1):  # grouped-query attention, written out: query head h reads K/V head h // G
+        k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
     dead = None
     if mask is not None:
         mask, dead = _reopen_dead_rows(mask)
@@ -1264,10 +1277,12 @@ def attend_block(q, k, v, rows, o, m, l, opts):
 
     Z_j is dropout's keep-mask (all ones without dropout); l counts the dropped weights too, so
     that out = o / (l * (1 - p)) keeps the expectation. o (B, H, rows, Dv), m and l (B, H, rows, 1),
-    float32 (float64 for float64), are updated in place; opts: block_options.
+    float32 (float64 for float64), are updated in place; opts: block_options. k, v may have fewer heads
+    (grouped-query attention): each K/V block then serves the G query heads that read it in one product.
     """
-    for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size, opts.offsets):
-        s = _scores(q, k, rows, cols, opts)  # (B, H, cq, ck)
+    q_i = _per_kv_head(q[:, :, rows], k)  # (B, H_kv, G * cq, D)
+    for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size, opts.offsets, opts.shift):
+        s = _scores(q_i, k, rows, cols, opts)  # (B, H, cq, ck)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         # a row masked so far has m_new = -inf, and exp2(-inf - (-inf)) = NaN: the lowest
         # finite value makes it exp2(-inf) = 0 and changes no other row
@@ -1277,7 +1292,8 @@ def attend_block(q, k, v, rows, o, m, l, opts):
         l.mul_(alpha).add_(p.sum(-1, keepdim=True))
         if opts.dropout_p > 0.0:
             _drop(p, _keep_bits(opts.row_hash[:, :, rows], opts.col_hash[cols], opts.dropout_p))
-        o.mul_(alpha).add_(_matmul(p.to(v.dtype), v[:, :, cols]))  # P rounded to the inputs' dtype
+        o.mul_(alpha).add_(_matmul(_per_kv_head(p.to(v.dtype), k), v[:, :, cols]).view(o.shape))  # P rounded to
+        # the inputs' dtype; no name holds the product, which a name would keep alive into the next block
         m.copy_(m_new)
 
 
@@ -1319,19 +1335,20 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
     dout_i = dout[:, :, rows]  # (B, H, cq, Dv)
     m, log2_l = m[:, :, rows], log2_l[:, :, rows]  # (B, H, cq, 1)
     delta = (dout_i.to(m.dtype) * out[:, :, rows].to(m.dtype)).sum(-1, keepdim=True)  # rowsum(dO * O)
-    for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size, opts.offsets):
-        p = _scores(q, k, rows, cols, opts).sub_(m).sub_(log2_l).exp2_()  # P_j
-        dp = _matmul(dout_i, v[:, :, cols].transpose(-2, -1))  # (B, H, cq, ck)
+    q_i, dout_i = _per_kv_head(q[:, :, rows], k), _per_kv_head(dout_i, k)  # (B, H_kv, G * cq, D or Dv)
+    for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size, opts.offsets, opts.shift):
+        p = _scores(q_i, k, rows, cols, opts).sub_(m).sub_(log2_l).exp2_()  # P_j (B, H, cq, ck)
+        dp = _matmul(dout_i, v[:, :, cols].transpose(-2, -1)).view(p.shape)  # (B, H, cq, ck)
         p_dropped = p
         if opts.dropout_p > 0.0:  # the forward's mask
             keep = _keep_bits(opts.row_hash[:, :, rows], opts.col_hash[cols], opts.dropout_p)
             p_dropped = _drop(p.clone(), keep)
             _drop(dp, keep).mul_(1.0 / (1.0 - opts.dropout_p))
-        dv[:, :, cols] += _matmul(p_dropped.to(q.dtype).transpose(-2, -1), dout_i)
+        dv[:, :, cols] += _matmul(_per_kv_head(p_dropped.to(q.dtype), k).transpose(-2, -1), dout_i)  # over G
         ds = p.mul_(dp.sub_(delta))  # dS_j
-        ds_low = ds.to(q.dtype)  # rounded to the inputs' dtype for the products, as P is
-        dq[:, :, rows] += _matmul(ds_low, k[:, :, cols])
-        dk[:, :, cols] += _matmul(ds_low.transpose(-2, -1), q[:, :, rows])
+        ds_low = _per_kv_head(ds.to(q.dtype), k)  # rounded to the inputs' dtype for the products, as P is
+        dq[:, :, rows] += _matmul(ds_low, k[:, :, cols]).view(p.shape[:-1] + (-1,))
+        dk[:, :, cols] += _matmul(ds_low.transpose(-2, -1), q_i)
         if dmask is not None:  # the mask is added to the scores: its gradient is dS, summed where broadcast
             dm = dmask[..., rows if dmask.size(-2) != 1 else slice(None), :]
             dm = dm[..., cols] if dmask.size(-1) != 1 else dm
@@ -1355,18 +1372,21 @@ def default_chunk_size(device):
 
 
 def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
-                      window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None):
+                      window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None, enable_gqa=False):
     """softmax(Q K^T * scale + M) V, the same result as naive_attention, in O(L) memory.
 
-    chunk_size: int or (query block, key block); None: default_chunk_size. Blocks that is_causal, window_size
-    or the documents of cu_seqlens hide are skipped; ALiBi's bias is made block by block. Gradients flow to q,
-    k, v and to a float attn_mask that requires grad. Dropout's seed is drawn from the device's generator."""
-    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
+    chunk_size: int or (query block, key block); None: default_chunk_size. Blocks that causality (top-left, or
+    bottom-right with causal_lower_right), window_size or the documents of cu_seqlens hide are skipped; ALiBi's
+    bias is made block by block. With enable_gqa K, V and their gradients keep H_kv heads: never repeated.
+    Gradients flow to q, k, v and to a float attn_mask that requires grad. Dropout's seed is drawn from the
+    device's generator."""
+    q, k, v, attn_mask, is_causal, shift, scale = _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale,
+                                                                  window_size, cu_seqlens, enable_gqa)
     cq, ck = _chunks(default_chunk_size(q.device) if chunk_size is None else chunk_size)
     seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
     alibi_slopes = _check_alibi(alibi_slopes, q)
     out, _m, _log2_l = _chunked_fwd(q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p, is_causal,
-                                    scale, window_size, cq, ck)  # m and log2(l): for the backward
+                                    scale, window_size, cq, ck, shift)  # m and log2(l): for the backward
     return out
 
 
@@ -1381,6 +1401,7 @@ class BlockOptions:
     scale: float
     is_causal: bool
     window_size: Optional[int]
+    shift: int  # query i sits at key position i + shift (mask_block)
     ck: int  # key block size
     mask: Optional[torch.Tensor]  # the attn_mask (a float one is taken to base 2 block by block: _scores)
     dropout_p: float
@@ -1392,9 +1413,9 @@ class BlockOptions:
 
 
 def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens=None,
-                  alibi_slopes=None):
+                  alibi_slopes=None, shift=0):
     hashes = _dropout_hashes(seed, *q.shape[:3], k.size(-2)) if dropout_p > 0.0 else (None, None)
-    opts = BlockOptions(scale, is_causal, window_size, ck, attn_mask, dropout_p, *hashes)
+    opts = BlockOptions(scale, is_causal, window_size, shift, ck, attn_mask, dropout_p, *hashes)
     if cu_seqlens is not None:
         opts.doc_ids, opts.offsets = documents(cu_seqlens, q.size(-2), q.device)[0], cu_seqlens.tolist()
     opts.alibi_slopes = None if alibi_slopes is None else alibi_slopes * LOG2E  # in base 2, as the scores
@@ -1422,12 +1443,12 @@ _OPS = re.sub(r"\W", "_", __name__)
 def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                  seed: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
                  alibi_slopes: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
-                 window_size: Optional[int], cq: int, ck: int
+                 window_size: Optional[int], cq: int, ck: int, shift: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """chunked_forward as an operator: out, m, log2(l)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # every block a view, never a copy
     return chunked_forward(q, k, v, block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale,
-                                                  window_size, ck, cu_seqlens, alibi_slopes), cq)
+                                                  window_size, ck, cu_seqlens, alibi_slopes, shift), cq)
 
 
 @torch.library.custom_op(f"{_OPS}::chunked_attention_bwd", mutates_args=())
@@ -1436,7 +1457,7 @@ def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  m: torch.Tensor, log2_l: torch.Tensor, attn_mask: Optional[torch.Tensor],
                  seed: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
                  alibi_slopes: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
-                 window_size: Optional[int], cq: int, ck: int, mask_grad: bool
+                 window_size: Optional[int], cq: int, ck: int, mask_grad: bool, shift: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """chunked_backward as an operator: dq, dk, dv, and a float attn_mask's gradient when mask_grad
     (else an empty tensor)."""
@@ -1444,20 +1465,20 @@ def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     dmask = torch.zeros_like(attn_mask, dtype=m.dtype) if mask_grad else None
     dout, q, k, v = dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous()
     opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens,
-                         alibi_slopes)
+                         alibi_slopes, shift)
     dq, dk, dv = chunked_backward(dout, q, k, v, out, m, log2_l, *grads, dmask, opts, cq)
     return dq, dk, dv, dmask.to(attn_mask.dtype) if mask_grad else q.new_empty(0)
 
 
 @_chunked_fwd.register_fake
-def _(q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p, is_causal, scale, window_size, cq, ck):
+def _(q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p, is_causal, scale, window_size, cq, ck, shift=0):
     stats = q.new_empty(*q.shape[:-1], 1, dtype=torch.promote_types(q.dtype, torch.float32))
     return q.new_empty(*q.shape[:-1], v.size(-1)), stats, torch.empty_like(stats)
 
 
 @_chunked_bwd.register_fake
 def _(dout, q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p, is_causal, scale,
-      window_size, cq, ck, mask_grad):
+      window_size, cq, ck, mask_grad, shift=0):
     dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
@@ -1465,20 +1486,27 @@ def _(dout, q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens, alibi_slopes, 
 def _chunked_save(ctx, inputs, output):
     q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, *options = inputs
     ctx.save_for_backward(q, k, v, *output, attn_mask, seed, cu_seqlens, alibi_slopes)  # out, m, log2 l
-    ctx.options = options  # dropout_p, is_causal, scale, window_size, cq, ck
+    *ctx.options, ctx.shift = options  # dropout_p, is_causal, scale, window_size, cq, ck; shift
 
 
 def _chunked_grad(ctx, dout, _dm, _dlog2_l):
     q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens, alibi_slopes = ctx.saved_tensors
     mask_grad = ctx.needs_input_grad[3]  # a float mask that requires grad: a learned bias (T5)
     dq, dk, dv, dmask = _chunked_bwd(dout, q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens, alibi_slopes,
-                                     *ctx.options, mask_grad)
-    return dq, dk, dv, dmask if mask_grad else None, *[None] * 9
+                                     *ctx.options, mask_grad, ctx.shift)
+    return dq, dk, dv, dmask if mask_grad else None, *[None] * 10
 
 
 _chunked_fwd.register_autograd(_chunked_grad, setup_context=_chunked_save)
 
 _BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(a, b, out_dtype=...), CUDA
+
+
+def _per_kv_head(x, k):
+    """x (B, H, rows, n) as (B, H_kv, G * rows, n): the G = H / H_kv query heads that read one K/V head of k
+    stacked along the rows, so that one product with each K/V block serves them all (grouped-query attention);
+    a view where H_kv = H or x is contiguous, else a copy of x."""
+    return x.reshape(x.size(0), k.size(1), -1, x.size(-1))
 
 
 def _matmul(a, b, alpha=1.0):
@@ -1501,13 +1529,15 @@ def _matmul(a, b, alpha=1.0):
     return out.view(*a.shape[:-1], b.size(-1))  # (B, H, m, n)
 
 
-def _scores(q, k, rows, cols, opts):
+def _scores(q_i, k, rows, cols, opts):
     """S_j of one block, (B, H, rows, cols), in base 2 with ALiBi's bias and the mask, float32 (float64 for
-    float64); the backward recomputes it. A float mask goes to base 2 here, clamped to its finite range."""
-    s = _matmul(q[:, :, rows], k[:, :, cols].transpose(-2, -1), alpha=opts.scale * LOG2E)
-    mask = mask_block(opts.mask, rows, cols, is_causal=opts.is_causal, window_size=opts.window_size,
-                      doc_ids=opts.doc_ids, offsets=opts.offsets, alibi_slopes=opts.alibi_slopes, scores=s,
-                      device=q.device)
+    float64); the backward recomputes it. q_i: the queries `rows` as _per_kv_head lays them out. A float mask
+    goes to base 2 here, clamped to its finite range."""
+    s = _matmul(q_i, k[:, :, cols].transpose(-2, -1), alpha=opts.scale * LOG2E)  # (B, H_kv, G * rows, cols)
+    s = s.view(s.size(0), -1, rows.stop - rows.start, s.size(-1))  # (B, H, rows, cols)
+    mask = mask_block(opts.mask, rows, cols, is_causal=opts.is_causal, shift=opts.shift,
+                      window_size=opts.window_size, doc_ids=opts.doc_ids, offsets=opts.offsets,
+                      alibi_slopes=opts.alibi_slopes, scores=s, device=q_i.device)
     if opts.mask is not None and opts.mask.is_floating_point():
         mask = _finite_bias(mask, s.dtype, LOG2E)
     return _apply_mask(s, mask)
@@ -1571,13 +1601,14 @@ _KERNEL_NAMES = {int(backend): name for name, backend in _KERNELS.items()}
 
 
 def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
-                    window_size=None, cu_seqlens=None, alibi_slopes=None, on_math="warn"):
+                    window_size=None, cu_seqlens=None, alibi_slopes=None, enable_gqa=False, on_math="warn"):
     """softmax(Q K^T * scale + M) V by F.scaled_dot_product_attention's fused kernels.
 
     When no fused kernel accepts the inputs (dropout on a CPU, say), on_math decides: "warn" and run the math
-    kernel, "raise" a RuntimeError, or "allow". A mask, window or documents reach SDPA as one (.., Lq, Lk)
-    mask (ALiBi's bias too, (B or 1, H, Lq, Lk)); pure is_causal as the kernel's flag. Under torch.compile,
-    and where torch cannot report its kernel (MPS, XPU), SDPA runs unchecked.
+    kernel, "raise" a RuntimeError, or "allow". A mask, window, documents or bottom-right causality
+    (causal_lower_right, Lq != Lk) reach SDPA as one (.., Lq, Lk) mask (ALiBi's bias too, (B or 1, H, Lq, Lk));
+    top-left is_causal alone as the kernel's flag; enable_gqa as SDPA's own. Under torch.compile, and where
+    torch cannot report its kernel (MPS, XPU), SDPA runs unchecked.
 
     Float masks: a CPU's fused kernel adds them in float32, so the precision rule holds for any bias. On CUDA
     a fused kernel reads the mask in q's dtype: a float32 bias b (each row shifted to a maximum of 0 first)
@@ -1589,9 +1620,10 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     and, with k's gradient, twice the time (_far_rows)."""
     if on_math not in ("warn", "raise", "allow"):
         raise ValueError(f"on_math must be 'warn', 'raise' or 'allow', got {on_math!r}")
-    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
+    q, k, v, attn_mask, is_causal, shift, scale = _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale,
+                                                                  window_size, cu_seqlens, enable_gqa)
     call = _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens,
-                      alibi_slopes=_check_alibi(alibi_slopes, q))
+                      alibi_slopes=_check_alibi(alibi_slopes, q), shift=shift)
     if call.kernel == "math" and on_math != "allow":
         why = (f"no fused SDPA kernel accepts these inputs (device={q.device.type}, dtype={q.dtype}, "
                f"dropout_p={dropout_p}, mask={None if call.mask is None else call.mask.dtype}, "
@@ -1600,8 +1632,9 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
             raise RuntimeError(why)
         warnings.warn(why, stacklevel=2)
     with _no_autocast(q):  # autocast would round a float mask to 16 bits
+        gqa = {"enable_gqa": True} if k.size(1) != q.size(1) else {}  # SDPA's own, where k and v have fewer heads
         out = F.scaled_dot_product_attention(call.q, call.k, call.v, call.mask, dropout_p, call.is_causal,
-                                             scale=scale)
+                                             scale=scale, **gqa)
     out = out[..., :v.size(-1)]  # (B, H, Lq, Dv): without a second half of the head dimension (_far_rows)
     return out if call.dead is None else out.masked_fill(call.dead, 0.0)
 
@@ -1618,15 +1651,15 @@ class _SdpaCall(NamedTuple):
 
 
 def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, device_type=None,
-               choose=None, alibi_slopes=None):
+               choose=None, alibi_slopes=None, shift=0):
     """The call SDPA gets (_SdpaCall), and the kernel that runs on it ('unknown' under torch.compile, which
     picks its own). device_type and choose (the kernel SDPA would pick: _chosen_kernel's arguments) stand in
     for a device's own, so that a CPU test can plan what a CUDA kernel gets."""
     device_type, choose = device_type or q.device.type, choose or _chosen_kernel
     mask, dead = None, None
     doc_ids = None if cu_seqlens is None else documents(cu_seqlens, q.size(-2), q.device)[0]
-    if any(x is not None for x in (attn_mask, window_size, doc_ids, alibi_slopes)):  # causality alone: a flag
-        mask = mask_block(attn_mask, slice(0, q.size(-2)), slice(0, k.size(-2)), is_causal=is_causal,
+    if shift or any(x is not None for x in (attn_mask, window_size, doc_ids, alibi_slopes)):  # else a flag
+        mask = mask_block(attn_mask, slice(0, q.size(-2)), slice(0, k.size(-2)), is_causal=is_causal, shift=shift,
                           window_size=window_size, doc_ids=doc_ids, alibi_slopes=alibi_slopes,
                           device=q.device)
         is_causal = False
@@ -1723,7 +1756,8 @@ def _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale):
     if q.device.type not in ("cpu", "cuda") or not hasattr(torch, "_fused_sdp_choice"):
         return "unknown"
     try:
-        choice = torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale)
+        choice = torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale,
+                                         enable_gqa=k.size(-3) != q.size(-3))
     except RuntimeError as e:  # every enabled kernel refuses these inputs
         raise RuntimeError(f"no enabled SDPA kernel can run these inputs: {str(e).splitlines()[0]}") from e
     if choice not in _KERNEL_NAMES:
@@ -1732,11 +1766,12 @@ def _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale):
 
 
 def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
-                     window_size=None, cu_seqlens=None, alibi_slopes=None):
+                     window_size=None, cu_seqlens=None, alibi_slopes=None, enable_gqa=False):
     """Which SDPA kernel flash_attention would run for these inputs (see _chosen_kernel)."""
-    q, k, v, attn_mask, scale = _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens)
+    q, k, v, attn_mask, is_causal, shift, scale = _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale,
+                                                                  window_size, cu_seqlens, enable_gqa)
     return _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens,
-                      alibi_slopes=_check_alibi(alibi_slopes, q)).kernel
+                      alibi_slopes=_check_alibi(alibi_slopes, q), shift=shift).kernel
 
 
 # -----------------------------------------------------------------------------
@@ -1744,15 +1779,18 @@ def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
 # algorithms' way
 
 
-def _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlens=None):
-    """The arguments every path takes, checked, then as SDPA takes them (_sdpa_conventions):
-    (q, k, v, attn_mask ready for mask_block, scale)."""
+def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens=None, enable_gqa=False):
+    """The arguments every path takes, checked, then as SDPA takes them (_sdpa_conventions): (q, k, v, attn_mask
+    ready for mask_block, is_causal, shift, scale). shift: query i sits at key position i + shift, 0 (top-left,
+    is_causal's alignment, as SDPA's) or, for SDPA's causal_lower_right, Lk - Lq (bottom-right: a KV cache's)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
-    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"q, k, v must share (B, H), got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
+    if q.size(0) != k.size(0) or k.shape[:2] != v.shape[:2] or (q.size(1) % k.size(1) if enable_gqa
+                                                                 else q.size(1) != k.size(1)):
+        raise ValueError(f"q, k, v must share (B, H), or with enable_gqa=True k and v have H_kv heads, a divisor "
+                         f"of q's H (grouped-query attention); got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}, enable_gqa={enable_gqa}")
     if q.size(-1) != k.size(-1):
         raise ValueError(f"q and k must share the head dim, got {tuple(q.shape)} and {tuple(k.shape)}")
     if k.size(-2) != v.size(-2):
@@ -1770,8 +1808,25 @@ def _attention_args(q, k, v, attn_mask, dropout_p, scale, window_size, cu_seqlen
             raise ValueError(f"cu_seqlens packs documents for self-attention: Lq must equal Lk, got "
                              f"{q.size(-2)} and {k.size(-2)}")
         _check_cu_seqlens(cu_seqlens, q.size(-2))
+    shift = 0
+    if isinstance(attn_mask, CausalBias):  # SDPA's causality as a mask
+        if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (q.size(-2), k.size(-2)) or is_causal:
+            raise ValueError(f"a CausalBias of (Lq, Lk) = {(attn_mask.seq_len_q, attn_mask.seq_len_kv)} for q and k "
+                             f"of {(q.size(-2), k.size(-2))}, with is_causal={is_causal}: it must match them, and "
+                             "it is the causality (SDPA refuses is_causal=True beside it)")
+        lower_right = attn_mask.variant == CausalVariant.LOWER_RIGHT
+        attn_mask, is_causal, shift = None, True, (k.size(-2) - q.size(-2)) * lower_right
+    elif is_causal and q.size(-2) != k.size(-2) and not torch.compiler.is_compiling():
+        _warn_top_left()
     q, k, v, scale = _sdpa_conventions(q, k, v, scale)
-    return q, k, v, _check_mask(attn_mask, q, k), scale
+    return q, k, v, _check_mask(attn_mask, q, k), is_causal, shift, scale
+
+
+@functools.cache  # once
+def _warn_top_left():
+    warnings.warn("is_causal=True with Lq != Lk aligns the diagonal top-left, as SDPA does: query i sees keys "
+                  "0 .. i. Queries that follow Lk - Lq cached keys (a KV cache) see keys 0 .. i + Lk - Lq with "
+                  "attn_mask=torch.nn.attention.bias.causal_lower_right(Lq, Lk) instead", stacklevel=4)
 
 
 def _check_alibi(slopes, q):
@@ -1794,6 +1849,9 @@ def _check_mask(attn_mask, q, k):
     """attn_mask as it is (bool or float, on q's device, broadcasting to (B, H, Lq, Lk)), or a clear error."""
     if attn_mask is None:
         return None
+    if type(attn_mask) not in (torch.Tensor, nn.Parameter):  # a subclass may mean something else than its values
+        raise TypeError(f"attn_mask must be a plain bool or float tensor (or SDPA's CausalBias), got a "
+                        f"{type(attn_mask).__name__}")
     if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
         raise TypeError(f"attn_mask must be bool (True = may attend) or floating (added to the scores), got "
                         f"{attn_mask.dtype}; for a 0/1 integer mask pass mask.bool() (1 = may attend), for "

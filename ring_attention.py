@@ -271,7 +271,7 @@ def _check_ring_args(q, k, v, is_causal, scale, group, layout):
     # whatever the error, this rank still takes part in the all-reduce below
     shard = [0] * 10
     try:
-        q, k, v, _, scale = mt._attention_args(q, k, v, None, 0.0, scale, None)
+        q, k, v, *_, scale = mt._attention_args(q, k, v, None, 0.0, False, scale, None)
         if q.size(-2) != k.size(-2):
             raise ValueError(f"q and k shards must be as long, got {q.size(-2)} and {k.size(-2)}")
         _check_ring_layout(q.size(-2) * world, world, layout)
