@@ -170,9 +170,9 @@ class _Approximate(nn.Module):
     takes_causal = False
 
     def forward(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, window_size=None,
-                cu_seqlens=None, alibi_slopes=None):
+                cu_seqlens=None, alibi_slopes=None, enable_gqa=False):
         refused = {"dropout_p": dropout_p or None, "scale": scale, "window_size": window_size,
-                   "cu_seqlens": cu_seqlens, "alibi_slopes": alibi_slopes,
+                   "cu_seqlens": cu_seqlens, "alibi_slopes": alibi_slopes, "enable_gqa": enable_gqa or None,
                    "is_causal": is_causal if is_causal and not self.takes_causal else None}
         if q.dim() != 4 or k.shape[:2] != q.shape[:2] or k.size(-1) != q.size(-1) or v.shape[:-1] != k.shape[:-1]:
             raise ValueError(f"{type(self).__name__} takes q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv), got "

@@ -242,8 +242,10 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
 class MultiHeadAttention(nn.Module):
     """MultiHead(X) = Concat(head_1, ..., head_h) W^O,  head_i = Attention(X W_i^Q, X W_i^K, X W_i^V).
 
-    x: (B, T, C) with C = d_model, batch first. The three input projections are one
-    C -> 3C linear layer, its weight laid out as nn.MultiheadAttention's in_proj_weight.
+    x: (B, T, C) with C = d_model, batch first. The three input projections are one linear layer, C -> C +
+    2 * n_kv_heads * hs (hs = C / n_heads), its weight laid out as nn.MultiheadAttention's in_proj_weight: q's
+    rows, k's, then v's. n_kv_heads below n_heads: grouped-query attention (1: multi-query), query head h reading
+    K/V head h // (n_heads / n_kv_heads), as Llama's repeat_kv (x-transformers pairs h with h % n_kv_heads).
     impl: one of IMPLS, or an attention function (see attention()). rope: an optional
     RotaryEmbedding applied to q and k of every head, at `positions` (default 0 .. T-1, restarting
     in every document of cu_seqlens: the packed documents of every row, see documents()). alibi: ALiBi's
@@ -251,45 +253,64 @@ class MultiHeadAttention(nn.Module):
     """
 
     def __init__(self, d_model, n_heads, dropout=0.0, bias=True, impl="flash", *, chunk_size=None,
-                 window_size=None, rope=None, alibi=False):
+                 window_size=None, rope=None, alibi=False, n_kv_heads=None):
         super().__init__()
         if d_model % n_heads != 0:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if not (type(n_kv_heads) is int and n_kv_heads >= 1 and n_heads % n_kv_heads == 0):
+            raise ValueError(f"n_kv_heads must be a positive int dividing n_heads={n_heads}, got {n_kv_heads!r}")
         if not callable(impl) and impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS} or a function, got {impl!r}")
         if d_model // n_heads < 32:
             warnings.warn(f"head size d_model/n_heads = {d_model // n_heads} is below 32; "
                           "fine for small test models, weak for real ones", stacklevel=2)
-        self.d_model, self.n_heads, self.dropout, self.impl = d_model, n_heads, dropout, impl
+        self.d_model, self.n_heads, self.n_kv_heads, self.dropout, self.impl = d_model, n_heads, n_kv_heads, dropout, impl
         self.chunk_size, self.window_size, self.rope, self.alibi = chunk_size, window_size, rope, alibi
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.qkv = nn.Linear(d_model, d_model + 2 * n_kv_heads * (d_model // n_heads), bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
 
     def forward(self, x, attn_mask=None, is_causal=False, need_weights=False, positions=None,
-                cu_seqlens=None):
+                cu_seqlens=None, cache=None):
         """x (B, T, C) -> (B, T, C), and with need_weights also the weights (B, nh, T, T) (naive path).
 
         attn_mask: bool, True where a query may attend, or float, added to the scores; it broadcasts to
         (B, nh, T, T), so a key-padding mask is (B, 1, 1, T): padding_mask(lengths, T). is_causal: query i sees
         keys j <= i. positions: the (T,) positions of x's rows, for RoPE; cu_seqlens: documents packed in every
-        row (documents(), in the appendix)."""
+        row (documents(), in the appendix). cache: a KVCache, for a causal decoder one step at a time: x's T
+        tokens take its next positions (RoPE's and ALiBi's), their keys and values are written into it, and they
+        attend to the keys it holds, bottom-right causal (an attn_mask then covers its max_len slots)."""
         if x.dim() != 3 or x.size(-1) != self.d_model:
             raise ValueError(f"expected x of shape (B, T, {self.d_model}), got {tuple(x.shape)}")
         B, T, C = x.size()
-        nh, hs = self.n_heads, C // self.n_heads
-        q, k, v = self.qkv(x).split(C, dim=2)
+        nh, nkv, hs = self.n_heads, self.n_kv_heads, C // self.n_heads
+        q, k, v = self.qkv(x).split([C, nkv * hs, nkv * hs], dim=2)
         q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         if positions is not None:
             _check_positions(positions, T)
+        if positions is not None and (self.alibi or cache is not None) or cache is not None and not is_causal:
+            raise ValueError(f"positions= with ALiBi or a cache, or a cache without is_causal=True: ALiBi's bias is "
+                             f"-slope * |i - j| for the tokens' places, and a cache serves a causal decoder whose new "
+                             f"tokens continue from its length (got positions={positions is not None}, is_causal="
+                             f"{is_causal}, cache={cache is not None})")
+        if cache is not None:
+            positions = cache.length + torch.arange(T, device=x.device)  # (T,): the next positions of the cache
         if self.rope is not None:
             if positions is None and cu_seqlens is not None:
                 positions = documents(cu_seqlens, T, x.device)[1]
             q, k = self.rope(q, positions), self.rope(k, positions)
         p = self.dropout if self.training else 0.0
-        kw = dict(window_size=self.window_size, cu_seqlens=cu_seqlens,
+        kw = dict(window_size=self.window_size, cu_seqlens=cu_seqlens, enable_gqa=nkv != nh,
                   alibi_slopes=alibi_slopes(nh, x.device) if self.alibi else None)
+        if cache is not None:  # every key it holds, their visibility (causal, window, ALiBi) one mask of them all
+            k, v = cache.append(k, v, positions, cu_seqlens)  # (B, nkv, max_len, hs)
+            given = None if attn_mask is None else _check_mask(attn_mask, q, (B, nh, T, k.size(-2)))
+            attn_mask = mask_block(given, slice(0, T), slice(0, k.size(-2)), is_causal=True,
+                                   shift=positions[0], window_size=self.window_size, device=x.device,
+                                   alibi_slopes=_check_alibi(kw["alibi_slopes"], q))
+            is_causal, kw["window_size"], kw["alibi_slopes"] = False, None, None
         if need_weights:  # only the naive path materialises the weights
             if callable(self.impl):
                 raise ValueError("need_weights computes the weights by naive attention on this module's own "
@@ -299,7 +320,7 @@ class MultiHeadAttention(nn.Module):
             y = attention(q, k, v, attn_mask, p, is_causal, impl=self.impl, chunk_size=self.chunk_size, **kw)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
         y = self.proj(y)
-        return (y, weights) if need_weights else y  # weights: (B, nh, T, T)
+        return (y, weights) if need_weights else y  # weights: (B, nh, T, T), or (B, nh, T, max_len) with a cache
 
     @classmethod
     def from_torch(cls, m, impl="flash"):
@@ -319,6 +340,32 @@ class MultiHeadAttention(nn.Module):
                 new.qkv.bias.copy_(m.in_proj_bias)
                 new.proj.bias.copy_(m.out_proj.bias)
         return new
+
+
+class KVCache:
+    """A causal decoder's keys and values of the positions seen so far, for one MultiHeadAttention: k and v
+    (B, n_kv_heads, max_len, hs), made once, and `length`, the positions written, a () int64 tensor on their
+    device. So under torch.compile every step has the same shapes, one graph, and reads nothing on the host (a
+    cache grown by concatenation would change shape, and recompile, at every step)."""
+
+    def __init__(self, batch_size, n_kv_heads, max_len, head_size, device=None, dtype=None):
+        self.k = torch.zeros(batch_size, n_kv_heads, max_len, head_size, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.length = torch.zeros((), dtype=torch.long, device=device)
+
+    def append(self, k, v, positions, cu_seqlens=None):
+        """Write k, v (B, n_kv_heads, T, hs) at `positions`, the next T, in place; returns the whole k and v."""
+        if cu_seqlens is not None or k.shape[:2] != self.k.shape[:2] or k.dtype != self.k.dtype:
+            raise ValueError(f"a cache of {tuple(self.k.shape)} {self.k.dtype} takes keys of (B, n_kv_heads) = "
+                             f"{tuple(self.k.shape[:2])} in its dtype, and no packed documents; got "
+                             f"{tuple(k.shape)} {k.dtype}, cu_seqlens={cu_seqlens is not None}")
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):  # the graph would grow every step
+            raise ValueError("a KV cache serves inference: decode under torch.no_grad() (or inference_mode)")
+        _check_range(positions, 0, self.k.size(-2), "the positions in the KV cache (its max_len)")
+        self.k.index_copy_(2, positions, k)
+        self.v.index_copy_(2, positions, v)
+        self.length.add_(k.size(-2))
+        return self.k, self.v
 
 
 # -----------------------------------------------------------------------------
@@ -414,12 +461,12 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, d_model, n_heads, d_ff, dropout=0.1, norm_first=False, activation="relu", impl="flash",
                  layer_norm_eps=1e-5, *, bias=True, chunk_size=None, window_size=None, rope=None,
-                 alibi=False):
+                 alibi=False, n_kv_heads=None):
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be one of {tuple(_ACTIVATIONS)}, got {activation!r}")
         self.self_attn = MultiHeadAttention(d_model, n_heads, dropout, bias, impl, chunk_size=chunk_size,
-                                            window_size=window_size, rope=rope, alibi=alibi)
+                                            window_size=window_size, rope=rope, alibi=alibi, n_kv_heads=n_kv_heads)
         self.linear1 = nn.Linear(d_model, d_ff, bias=bias)
         self.linear2 = nn.Linear(d_ff, d_model, bias=bias)
         self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
@@ -430,21 +477,21 @@ class EncoderLayer(nn.Module):
         self.activation = _ACTIVATIONS[activation]
         self.norm_first = norm_first
 
-    def _sa(self, x, attn_mask, is_causal, positions, cu_seqlens):
+    def _sa(self, x, attn_mask, is_causal, positions, cu_seqlens, cache):
         return self.dropout1(self.self_attn(x, attn_mask, is_causal, positions=positions,
-                                            cu_seqlens=cu_seqlens))
+                                            cu_seqlens=cu_seqlens, cache=cache))
 
     def _ff(self, x):
         return self.dropout2(self.linear2(self.dropout(self.activation(self.linear1(x)))))
 
-    def forward(self, x, attn_mask=None, is_causal=False, positions=None, cu_seqlens=None):
+    def forward(self, x, attn_mask=None, is_causal=False, positions=None, cu_seqlens=None, cache=None):
         d_model = self.linear1.in_features
         if x.dim() != 3 or x.size(-1) != d_model:  # before LayerNorm, whose own error is less clear
             raise ValueError(f"expected x of shape (B, T, {d_model}), got {tuple(x.shape)}")
         if self.norm_first:
-            x = x + self._sa(self.norm1(x), attn_mask, is_causal, positions, cu_seqlens)
+            x = x + self._sa(self.norm1(x), attn_mask, is_causal, positions, cu_seqlens, cache)
             return x + self._ff(self.norm2(x))
-        x = self.norm1(x + self._sa(x, attn_mask, is_causal, positions, cu_seqlens))
+        x = self.norm1(x + self._sa(x, attn_mask, is_causal, positions, cu_seqlens, cache))
         return self.norm2(x + self._ff(x))
 
     @classmethod
@@ -477,6 +524,7 @@ class EncoderConfig:
     max_len: int = 512  # longest sequence the positional encoding accepts
     d_model: int = 128  # width of the residual stream
     n_heads: int = 4  # attention heads; d_model / n_heads is the head size
+    n_kv_heads: int | None = None  # K/V heads, a divisor of n_heads (grouped-query attention); None = n_heads
     n_layers: int = 2  # encoder layers
     d_ff: int = 512  # hidden width of the feed-forward block (4 * d_model in the paper)
     dropout: float = 0.0  # dropout on attention probabilities, residual branches and embeddings
@@ -519,7 +567,7 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(
             EncoderLayer(c.d_model, c.n_heads, c.d_ff, c.dropout, c.norm_first, c.activation, c.impl,
                          c.layer_norm_eps, chunk_size=c.chunk_size, window_size=c.window_size, rope=rope,
-                         alibi=c.pos_encoding == "alibi")
+                         alibi=c.pos_encoding == "alibi", n_kv_heads=c.n_kv_heads)
             for _ in range(c.n_layers))
         self.norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps) if c.norm_first else nn.Identity()
         self.apply(self._init_weights)
@@ -547,10 +595,11 @@ class Encoder(nn.Module):
         x = self.embed(idx) * math.sqrt(self.config.d_model)
         return self.pos(x) if self.config.pos_encoding in ("rope", "alibi") else self.pos(x, positions)
 
-    def forward(self, idx, attn_mask=None, is_causal=False, positions=None, cu_seqlens=None):
+    def forward(self, idx, attn_mask=None, is_causal=False, positions=None, cu_seqlens=None, cache=None):
         """positions: the (T,) positions of idx's tokens (default 0 .. T-1), as for a shard of a longer
         sequence (ring_attention.ShardedEncoder). cu_seqlens: every row packs these documents (see
-        documents()); each is encoded as if alone, its positions restarting at 0."""
+        documents()); each is encoded as if alone, its positions restarting at 0. cache: a KVCache per layer
+        (kv_caches()), for a causal decoder fed a few tokens at a time: idx's continue its positions."""
         if self.config.pos_encoding == "alibi":  # its bias: from the tokens' places in the row or document
             if positions is not None:
                 raise ValueError("pos_encoding='alibi' takes no positions: its bias is -slope * |i - j| for "
@@ -560,10 +609,21 @@ class Encoder(nn.Module):
         if positions is not None:  # named here: past the tables' end it would be a bare IndexError
             _check_positions(positions, idx.size(-1))
             _check_range(positions, 0, self.config.max_len, "positions inside each document or shard")
-        x = self._embed(idx, positions)  # (B, T, d_model)
-        for layer in self.layers:
-            x = layer(x, attn_mask, is_causal, positions, cu_seqlens)
+        caches = [None] * len(self.layers) if cache is None else cache
+        if len(caches) != len(self.layers):
+            raise ValueError(f"cache holds {len(caches)} KVCaches for {len(self.layers)} layers: one per layer")
+        x = self._embed(idx, positions if cache is None else cache[0].length + torch.arange(idx.size(-1),
+                                                                                               device=idx.device))
+        for layer, layer_cache in zip(self.layers, caches):
+            x = layer(x, attn_mask, is_causal, positions, cu_seqlens, layer_cache)
         return self.norm(x)
+
+    def kv_caches(self, batch_size, device=None, dtype=None):
+        """An empty KVCache per layer for batch_size sequences of up to config.max_len tokens (default: on the
+        model's device, in its dtype)."""
+        c, w = self.config, self.embed.weight
+        return [KVCache(batch_size, c.n_kv_heads or c.n_heads, c.max_len, c.d_model // c.n_heads,
+                        device or w.device, dtype or w.dtype) for _ in self.layers]
 
     def attention_weights(self, idx, attn_mask=None, is_causal=False, layer=-1):
         """Attention probabilities (B, H, T, T) of one layer, through the naive path: what a heatmap shows."""
@@ -1207,15 +1267,6 @@ def _reopen_dead_rows(mask):
     return mask.masked_fill(dead, 0.0), dead
 
 
-def _sdpa_conventions(q, k, v, scale):
-    """What SDPA does before it computes, and so every path: scale = 1/sqrt(D) unless given, and under
-    autocast float32 q, k, v are cast to autocast's dtype (SDPA is on autocast's lower-precision list)."""
-    if q.dtype == torch.float32 and torch.is_autocast_enabled(q.device.type):
-        dtype = torch.get_autocast_dtype(q.device.type)
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    return q, k, v, 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
-
-
 # -----------------------------------------------------------------------------
 # naive: standard_attention with every convention above, and the weights it used. Like the core's, it
 # materialises the (Lq, Lk) scores.
@@ -1632,10 +1683,11 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
             raise RuntimeError(why)
         warnings.warn(why, stacklevel=2)
     with _no_autocast(q):  # autocast would round a float mask to 16 bits
-        gqa = {"enable_gqa": True} if k.size(1) != q.size(1) else {}  # SDPA's own, where k and v have fewer heads
+        gqa = {"enable_gqa": True} if enable_gqa else {}  # SDPA's own (an argument only where it is needed)
         out = F.scaled_dot_product_attention(call.q, call.k, call.v, call.mask, dropout_p, call.is_causal,
                                              scale=scale, **gqa)
-    out = out[..., :v.size(-1)]  # (B, H, Lq, Dv): without a second half of the head dimension (_far_rows)
+    if call.v is not v:  # (B, H, Lq, Dv): without a second half of the head dimension (_switch_off_scores)
+        out = out[..., :v.size(-1)]
     return out if call.dead is None else out.masked_fill(call.dead, 0.0)
 
 
@@ -1655,10 +1707,11 @@ def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_
     """The call SDPA gets (_SdpaCall), and the kernel that runs on it ('unknown' under torch.compile, which
     picks its own). device_type and choose (the kernel SDPA would pick: _chosen_kernel's arguments) stand in
     for a device's own, so that a CPU test can plan what a CUDA kernel gets."""
-    device_type, choose = device_type or q.device.type, choose or _chosen_kernel
-    mask, dead = None, None
-    doc_ids = None if cu_seqlens is None else documents(cu_seqlens, q.size(-2), q.device)[0]
-    if shift or any(x is not None for x in (attn_mask, window_size, doc_ids, alibi_slopes)):  # else a flag
+    device_type, choose = device_type or ("cpu" if q.is_cpu else q.device.type), choose or _chosen_kernel
+    mask, dead = attn_mask, None
+    if shift or window_size is not None or cu_seqlens is not None or alibi_slopes is not None or (
+            is_causal and attn_mask is not None):  # else SDPA takes attn_mask as it is, and causality as a flag
+        doc_ids = None if cu_seqlens is None else documents(cu_seqlens, q.size(-2), q.device)[0]
         mask = mask_block(attn_mask, slice(0, q.size(-2)), slice(0, k.size(-2)), is_causal=is_causal, shift=shift,
                           window_size=window_size, doc_ids=doc_ids, alibi_slopes=alibi_slopes,
                           device=q.device)
@@ -1671,6 +1724,8 @@ def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_
     def ask(q, k, v, m):  # the kernel SDPA runs on these (under compile its Python int would break the graph)
         return "unknown" if compiling else choose(q, k, v, m, dropout_p, is_causal, scale)
     kernel = ask(q, k, v, mask)
+    if device_type == "cpu" and not float_mask:  # nothing to shift, round or re-open: a CPU zeroes dead rows
+        return _SdpaCall(q, k, v, mask, is_causal, None, kernel)
     # far rows as SDPA's math computes them, before a 16-bit copy can round them: wherever a fused kernel may
     # read the mask, or off the CPU its copy in q's dtype (the math kernel computes them right itself)
     user_float = attn_mask is not None and attn_mask.is_floating_point()
@@ -1753,11 +1808,12 @@ def _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale):
     """The SDPA kernel these inputs get: 'flash', 'efficient', 'cudnn', 'math', or 'unknown' where torch
     cannot tell. torch._fused_sdp_choice is what SDPA itself consults (it honours an enclosing
     sdpa_kernel(...)); it is private, so we ask whether it is there."""
-    if q.device.type not in ("cpu", "cuda") or not hasattr(torch, "_fused_sdp_choice"):
+    fused_sdp_choice = getattr(torch, "_fused_sdp_choice", None)
+    if not (q.is_cpu or q.is_cuda) or fused_sdp_choice is None:
         return "unknown"
     try:
-        choice = torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale,
-                                         enable_gqa=k.size(-3) != q.size(-3))
+        gqa = {"enable_gqa": True} if k.shape[-3] != q.shape[-3] else {}
+        choice = fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale, **gqa)
     except RuntimeError as e:  # every enabled kernel refuses these inputs
         raise RuntimeError(f"no enabled SDPA kernel can run these inputs: {str(e).splitlines()[0]}") from e
     if choice not in _KERNEL_NAMES:
@@ -1780,46 +1836,49 @@ def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
 
 
 def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens=None, enable_gqa=False):
-    """The arguments every path takes, checked, then as SDPA takes them (_sdpa_conventions): (q, k, v, attn_mask
+    """The arguments every path takes, checked, then as SDPA takes them (scale = 1/sqrt(D) unless given, and
+    under autocast float32 q, k, v in autocast's dtype, as SDPA is on its lower-precision list): (q, k, v, attn_mask
     ready for mask_block, is_causal, shift, scale). shift: query i sits at key position i + shift, 0 (top-left,
     is_causal's alignment, as SDPA's) or, for SDPA's causal_lower_right, Lk - Lq (bottom-right: a KV cache's)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
-    if q.size(0) != k.size(0) or k.shape[:2] != v.shape[:2] or (q.size(1) % k.size(1) if enable_gqa
-                                                                 else q.size(1) != k.size(1)):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:  # (every check reads each attribute once: flash's overhead)
+        name, t = next((name, t) for name, t in (("q", q), ("k", k), ("v", v)) if t.dim() != 4)
+        raise ValueError(f"{name} must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
+    (B, H, Lq, D), (Bk, Hk, Lk, Dk), (Bv, Hv, Lv, _) = q.shape, k.shape, v.shape
+    if B != Bk or (Bk, Hk) != (Bv, Hv) or (H % Hk if enable_gqa else H != Hk):
         raise ValueError(f"q, k, v must share (B, H), or with enable_gqa=True k and v have H_kv heads, a divisor "
                          f"of q's H (grouped-query attention); got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}, enable_gqa={enable_gqa}")
-    if q.size(-1) != k.size(-1):
+    if D != Dk:
         raise ValueError(f"q and k must share the head dim, got {tuple(q.shape)} and {tuple(k.shape)}")
-    if k.size(-2) != v.size(-2):
+    if Lk != Lv:
         raise ValueError(f"k and v must share the key length, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+    dtype, device = q.dtype, q.device
+    if not (dtype == k.dtype == v.dtype) or not dtype.is_floating_point:
         raise TypeError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
+    if not (device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
     if window_size is not None and (not isinstance(window_size, int) or window_size < 0):
         raise ValueError(f"window_size must be a non-negative int or None, got {window_size!r}")
     if cu_seqlens is not None:
-        if q.size(-2) != k.size(-2):
-            raise ValueError(f"cu_seqlens packs documents for self-attention: Lq must equal Lk, got "
-                             f"{q.size(-2)} and {k.size(-2)}")
-        _check_cu_seqlens(cu_seqlens, q.size(-2))
+        if Lq != Lk:
+            raise ValueError(f"cu_seqlens packs documents for self-attention: Lq must equal Lk, got {Lq} and {Lk}")
+        _check_cu_seqlens(cu_seqlens, Lq)
     shift = 0
     if isinstance(attn_mask, CausalBias):  # SDPA's causality as a mask
-        if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (q.size(-2), k.size(-2)) or is_causal:
+        if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (Lq, Lk) or is_causal:
             raise ValueError(f"a CausalBias of (Lq, Lk) = {(attn_mask.seq_len_q, attn_mask.seq_len_kv)} for q and k "
-                             f"of {(q.size(-2), k.size(-2))}, with is_causal={is_causal}: it must match them, and "
-                             "it is the causality (SDPA refuses is_causal=True beside it)")
-        lower_right = attn_mask.variant == CausalVariant.LOWER_RIGHT
-        attn_mask, is_causal, shift = None, True, (k.size(-2) - q.size(-2)) * lower_right
-    elif is_causal and q.size(-2) != k.size(-2) and not torch.compiler.is_compiling():
+                             f"of {(Lq, Lk)}, with is_causal={is_causal}: it must match them, and it is the "
+                             "causality (SDPA refuses is_causal=True beside it)")
+        attn_mask, is_causal, shift = None, True, (Lk - Lq) * (attn_mask.variant == CausalVariant.LOWER_RIGHT)
+    elif is_causal and Lq != Lk and not torch.compiler.is_compiling():
         _warn_top_left()
-    q, k, v, scale = _sdpa_conventions(q, k, v, scale)
-    return q, k, v, _check_mask(attn_mask, q, k), is_causal, shift, scale
+    if dtype == torch.float32 and torch.is_autocast_enabled("cpu" if q.is_cpu else device.type):  # as SDPA's
+        dtype = torch.get_autocast_dtype(device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)  # SDPA's default
+    return q, k, v, None if attn_mask is None else _check_mask(attn_mask, q, (B, H, Lq, Lk)), is_causal, shift, scale
 
 
 @functools.cache  # once
@@ -1845,10 +1904,9 @@ def _check_alibi(slopes, q):
     return slopes.to(torch.promote_types(q.dtype, torch.float32)).reshape(-1, H, 1, 1)
 
 
-def _check_mask(attn_mask, q, k):
-    """attn_mask as it is (bool or float, on q's device, broadcasting to (B, H, Lq, Lk)), or a clear error."""
-    if attn_mask is None:
-        return None
+def _check_mask(attn_mask, q, target):
+    """attn_mask as it is (bool or float, on q's device, broadcasting to target, (B, H, Lq, Lk)), or a clear
+    error."""
     if type(attn_mask) not in (torch.Tensor, nn.Parameter):  # a subclass may mean something else than its values
         raise TypeError(f"attn_mask must be a plain bool or float tensor (or SDPA's CausalBias), got a "
                         f"{type(attn_mask).__name__}")
@@ -1859,12 +1917,12 @@ def _check_mask(attn_mask, q, k):
     if attn_mask.device != q.device:
         raise ValueError(f"attn_mask is on {attn_mask.device} and q on {q.device}: move the mask once, where "
                          "it is made (a copy in every call would make the host wait for the device)")
-    target = (q.size(0), q.size(1), q.size(2), k.size(2))
     shape = tuple(attn_mask.shape)
-    if len(shape) > 4 or any(m not in (1, t) for m, t in zip(reversed(shape), reversed(target))):
-        raise ValueError(f"attn_mask of shape {shape} does not broadcast to (B, H, Lq, Lk) = {target}")
-    if attn_mask.dim() < 2:  # (Lk,) or (): one row for every query, as broadcasting reads it
-        attn_mask = attn_mask.expand(1, k.size(2))
+    b, h, i, j = (1,) * (4 - len(shape)) + shape if len(shape) <= 4 else (0,) * 4
+    if b not in (1, target[0]) or h not in (1, target[1]) or i not in (1, target[2]) or j not in (1, target[3]):
+        raise ValueError(f"attn_mask of shape {shape} does not broadcast to (B, H, Lq, Lk) = {tuple(target)}")
+    if len(shape) < 2:  # (Lk,) or (): one row for every query, as broadcasting reads it
+        attn_mask = attn_mask.expand(1, target[-1])
     return attn_mask
 
 
@@ -1889,8 +1947,11 @@ def _check_cu_seqlens(cu_seqlens, L):
 
 def _no_autocast(q):
     """Autocast switched off where it is on: inside, the inputs' dtypes decide."""
-    on = torch.is_autocast_enabled(q.device.type)
-    return torch.autocast(q.device.type, enabled=False) if on else contextlib.nullcontext()
+    device_type = "cpu" if q.is_cpu else q.device.type
+    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else _NO_CONTEXT
+
+
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: it holds no state
 
 
 def _chunks(chunk_size):

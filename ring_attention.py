@@ -198,12 +198,13 @@ def ring_impl(group=None, layout="contiguous", chunk_size=None):
 
 
 def _ring_impl(q, k, v, attn_mask, dropout_p, is_causal, scale, *, window_size, cu_seqlens=None, alibi_slopes=None,
-               group, layout, chunk_size):
-    if any(x is not None for x in (attn_mask, window_size, cu_seqlens, alibi_slopes)) or dropout_p > 0.0:
-        raise ValueError(f"ring attention takes no attn_mask, no dropout, no window_size, no cu_seqlens and no "
-                         f"alibi_slopes, got attn_mask={None if attn_mask is None else tuple(attn_mask.shape)}, "
-                         f"dropout_p={dropout_p}, window_size={window_size}, cu_seqlens={cu_seqlens}, alibi_slopes="
-                         f"{None if alibi_slopes is None else tuple(alibi_slopes.shape)}")
+               enable_gqa=False, group, layout, chunk_size):
+    if any(x is not None for x in (attn_mask, window_size, cu_seqlens, alibi_slopes)) or dropout_p > 0.0 or enable_gqa:
+        raise ValueError(f"ring attention takes no attn_mask, no dropout, no window_size, no cu_seqlens, no "
+                         f"enable_gqa and no alibi_slopes, got attn_mask="
+                         f"{None if attn_mask is None else tuple(attn_mask.shape)}, dropout_p={dropout_p}, "
+                         f"window_size={window_size}, cu_seqlens={cu_seqlens}, alibi_slopes="
+                         f"{None if alibi_slopes is None else tuple(alibi_slopes.shape)}, enable_gqa={enable_gqa}")
     return ring_attention(q, k, v, is_causal=is_causal, scale=scale, group=group, layout=layout,
                           chunk_size=chunk_size)
 
