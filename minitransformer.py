@@ -71,20 +71,20 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 # Attention in its plainest correct form, forward and backward. Conventions are those of PyTorch's
 # F.scaled_dot_product_attention: q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv)
 # (D: the tutorials' d_k; H_kv = H, or a divisor of H for grouped-query attention, query head h reading K/V
-# head h // (H / H_kv)); attn_mask is bool, True where a query may attend to a key, broadcast to (B, H, Lq, Lk)
-# (key padding: (B, 1, 1, Lk)); is_causal lets query i see keys j <= i, with attn_mask, aligned top-left as
-# SDPA's (a KV cache's bottom-right: the hardened paths). A query that may see no key gets 0. float32 or
-# float64: 16 bits and autocast are refused by name.
+# head h // (H / H_kv)); attn_mask is bool, True where a query may attend to a key, broadcast to
+# (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk)); is_causal lets query i see keys j <= i, with attn_mask, aligned
+# top-left as SDPA's (a KV cache's bottom-right: the hardened paths). A query that may see no key gets 0.
+# float32 or float64: 16 bits and autocast are refused by name.
 
 
 def _grouped(q, k, v, attn_mask):
-    """q (.., H, Lq, D) as (.., H_kv, G, Lq, D), k, v (.., H_kv, Lk, D) as (.., H_kv, 1, Lk, D): each K/V head broadcast
-    over the G = H / H_kv query heads that read it; attn_mask as a bool view of q's (.., Lq, Lk) (None: every key
-    visible). 16 bits, or autocast's 16-bit products, are refused: their sums would be far off."""
+    """q (.., H, Lq, D) as (.., H_kv, G, Lq, D), k, v (.., H_kv, Lk, D) as (.., H_kv, 1, Lk, D): each K/V head
+    broadcast over the G = H / H_kv query heads that read it; attn_mask as a bool view of q's (.., Lq, Lk)
+    (None: every key visible). 16 bits, or autocast's 16-bit products, are refused: their sums are far off."""
     autocast = torch.is_autocast_enabled(q.device.type)
     if q.dtype not in (torch.float32, torch.float64) or autocast:
         raise TypeError(f"the core computes in float32 or float64 outside autocast, got {q.dtype}"
-                        f"{' under autocast' * autocast}; 16 bits: chunked_attention, FlashAttention-2's recipe")
+                        f"{' under autocast' * autocast}; 16 bits: chunked_attention (FlashAttention-2's)")
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         raise TypeError(f"attn_mask must be bool, True where a query may attend, got {attn_mask.dtype}")
     keep = None if attn_mask is None else attn_mask.expand(*q.shape[:-1], k.size(-2))
@@ -101,9 +101,9 @@ def _blocks(L, size):
 
 
 def _block_scores(q, k, keep, is_causal, rows, cols):
-    """S = Q K^T / sqrt(D) + M for the queries `rows` and keys `cols` (two slices), (.., rows, cols): M = 0 where
-    a query may see a key, -inf where it may not (keep: the attn_mask as a view of q's (.., Lq, Lk), or None).
-    Not -1e9: a query that sees no key would then average V."""
+    """S = Q K^T / sqrt(D) + M for the queries `rows` and keys `cols` (two slices), (.., rows, cols): M = 0
+    where a query may see a key, -inf where it may not (keep: the attn_mask as a view of q's (.., Lq, Lk), or
+    None). Not -1e9: a query that sees no key would then average V."""
     s = q[..., rows, :] @ k[..., cols, :].transpose(-2, -1) / math.sqrt(q.size(-1))
     mask = None if keep is None else keep[..., rows, cols]
     if is_causal:
@@ -194,8 +194,8 @@ def blockwise_attention(q, k, v, attn_mask=None, is_causal=False, block_size=64)
     differentiable."""
     if block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size}")
-    out = BlockwiseAttention.apply(*_grouped(q, k, v, attn_mask), is_causal, block_size)  # (B, H_kv, G, Lq, Dv)
-    return out.reshape(*q.shape[:-1], v.size(-1))  # (B, H, Lq, Dv)
+    out = BlockwiseAttention.apply(*_grouped(q, k, v, attn_mask), is_causal, block_size)
+    return out.reshape(*q.shape[:-1], v.size(-1))  # (B, H_kv, G, Lq, Dv) -> (B, H, Lq, Dv)
 # core ends
 
 
@@ -213,14 +213,12 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
               window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None, enable_gqa=False):
     """Attention through impl: one of IMPLS, or a function with SDPA's arguments, window_size=, cu_seqlens=
     and, only where given, alibi_slopes= and enable_gqa= (ring_attention.ring_impl, approximate_attention's
-    modules). q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv). The arguments, as the
-    appendix's header states them: attn_mask bool (True = may attend) or float (added to the scores), broadcast
-    to (B, H, Lq, Lk), or SDPA's CausalBias; dropout_p on the weights; is_causal: query i sees keys j <= i,
-    aligned top-left as SDPA's (attn_mask=causal_lower_right(Lq, Lk) aligns causality, the window and ALiBi
-    bottom-right, as a KV cache needs); scale: 1/sqrt(D) unless given; window_size=w: keys with |i - j| <= w;
-    cu_seqlens: the CPU int offsets [0, l_1, l_1 + l_2, ..., L] of documents packed side by side in every row,
-    each attending only to itself; alibi_slopes: ALiBi's per-head slopes (alibi_slopes()); chunk_size: the
-    chunked path's blocks; enable_gqa: k and v have H_kv heads, a divisor of H (grouped-query attention)."""
+    modules). q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv). As the appendix's
+    header states: attn_mask bool (True = may attend) or float (added to the scores), broadcast to (B, H, Lq,
+    Lk), or SDPA's CausalBias; is_causal: keys j <= i, top-left as SDPA's (causal_lower_right(Lq, Lk) as the
+    mask aligns causality, window and ALiBi bottom-right, as a KV cache needs); window_size=w: |i - j| <= w;
+    cu_seqlens: CPU int offsets [0, l_1, l_1 + l_2, ..., L] of documents packed in every row, each attending
+    to itself alone; alibi_slopes: alibi_slopes(H); enable_gqa: H_kv heads in k and v, a divisor of H."""
     kw = dict(window_size=window_size, cu_seqlens=cu_seqlens)
     kw |= {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}  # a function without it still runs
     kw |= {"enable_gqa": True} if enable_gqa else {}
@@ -243,9 +241,9 @@ class MultiHeadAttention(nn.Module):
     """MultiHead(X) = Concat(head_1, ..., head_h) W^O,  head_i = Attention(X W_i^Q, X W_i^K, X W_i^V).
 
     x: (B, T, C) with C = d_model, batch first. The three input projections are one linear layer, C -> C +
-    2 * n_kv_heads * hs (hs = C / n_heads), its weight laid out as nn.MultiheadAttention's in_proj_weight: q's
-    rows, k's, then v's. n_kv_heads below n_heads: grouped-query attention (1: multi-query), query head h reading
-    K/V head h // (n_heads / n_kv_heads), as Llama's repeat_kv (x-transformers pairs h with h % n_kv_heads).
+    2 * n_kv_heads * hs (hs = C / n_heads), its weight laid out as nn.MultiheadAttention's in_proj_weight:
+    q's rows, k's, then v's. n_kv_heads below n_heads: grouped-query attention (1: multi-query), query head
+    h reading K/V head h // (n_heads / n_kv_heads), as Llama's repeat_kv (x-transformers: h % n_kv_heads).
     impl: one of IMPLS, or an attention function (see attention()). rope: an optional
     RotaryEmbedding applied to q and k of every head, at `positions` (default 0 .. T-1, restarting
     in every document of cu_seqlens: the packed documents of every row, see documents()). alibi: ALiBi's
@@ -259,14 +257,15 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         if not (type(n_kv_heads) is int and n_kv_heads >= 1 and n_heads % n_kv_heads == 0):
-            raise ValueError(f"n_kv_heads must be a positive int dividing n_heads={n_heads}, got {n_kv_heads!r}")
+            raise ValueError(f"n_kv_heads must be a positive divisor of n_heads={n_heads}: got {n_kv_heads}")
         if not callable(impl) and impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS} or a function, got {impl!r}")
         if d_model // n_heads < 32:
             warnings.warn(f"head size d_model/n_heads = {d_model // n_heads} is below 32; "
                           "fine for small test models, weak for real ones", stacklevel=2)
-        self.d_model, self.n_heads, self.n_kv_heads, self.dropout, self.impl = d_model, n_heads, n_kv_heads, dropout, impl
-        self.chunk_size, self.window_size, self.rope, self.alibi = chunk_size, window_size, rope, alibi
+        self.d_model, self.n_heads, self.n_kv_heads, self.dropout = d_model, n_heads, n_kv_heads, dropout
+        self.impl, self.chunk_size, self.window_size = impl, chunk_size, window_size
+        self.rope, self.alibi = rope, alibi
         self.qkv = nn.Linear(d_model, d_model + 2 * n_kv_heads * (d_model // n_heads), bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
 
@@ -275,11 +274,11 @@ class MultiHeadAttention(nn.Module):
         """x (B, T, C) -> (B, T, C), and with need_weights also the weights (B, nh, T, T) (naive path).
 
         attn_mask: bool, True where a query may attend, or float, added to the scores; it broadcasts to
-        (B, nh, T, T), so a key-padding mask is (B, 1, 1, T): padding_mask(lengths, T). is_causal: query i sees
-        keys j <= i. positions: the (T,) positions of x's rows, for RoPE; cu_seqlens: documents packed in every
-        row (documents(), in the appendix). cache: a KVCache, for a causal decoder one step at a time: x's T
-        tokens take its next positions (RoPE's and ALiBi's), their keys and values are written into it, and they
-        attend to the keys it holds, bottom-right causal (an attn_mask then covers its max_len slots)."""
+        (B, nh, T, T), so a key-padding mask is (B, 1, 1, T): padding_mask(lengths, T). is_causal: query i
+        sees keys j <= i. positions: the (T,) positions of x's rows, for RoPE; cu_seqlens: documents packed in
+        every row (documents(), in the appendix). cache: a KVCache, for a causal decoder a step at a time: x's
+        T tokens take its next positions (RoPE's and ALiBi's), their keys and values are written into it, and
+        they attend to the keys it holds, bottom-right causal (an attn_mask then covers its max_len slots)."""
         if x.dim() != 3 or x.size(-1) != self.d_model:
             raise ValueError(f"expected x of shape (B, T, {self.d_model}), got {tuple(x.shape)}")
         B, T, C = x.size()
@@ -291,12 +290,12 @@ class MultiHeadAttention(nn.Module):
         if positions is not None:
             _check_positions(positions, T)
         if positions is not None and (self.alibi or cache is not None) or cache is not None and not is_causal:
-            raise ValueError(f"positions= with ALiBi or a cache, or a cache without is_causal=True: ALiBi's bias is "
-                             f"-slope * |i - j| for the tokens' places, and a cache serves a causal decoder whose new "
-                             f"tokens continue from its length (got positions={positions is not None}, is_causal="
-                             f"{is_causal}, cache={cache is not None})")
+            raise ValueError(f"positions= with ALiBi or a cache, or a cache without is_causal=True: ALiBi's "
+                             f"bias is -slope * |i - j| for the tokens' places, and a cache serves a causal "
+                             f"decoder whose tokens continue from its length (got positions="
+                             f"{positions is not None}, is_causal={is_causal}, cache={cache is not None})")
         if cache is not None:
-            positions = cache.length + torch.arange(T, device=x.device)  # (T,): the next positions of the cache
+            positions = cache.length + torch.arange(T, device=x.device)  # (T,): the cache's next positions
         if self.rope is not None:
             if positions is None and cu_seqlens is not None:
                 positions = documents(cu_seqlens, T, x.device)[1]
@@ -304,7 +303,7 @@ class MultiHeadAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         kw = dict(window_size=self.window_size, cu_seqlens=cu_seqlens, enable_gqa=nkv != nh,
                   alibi_slopes=alibi_slopes(nh, x.device) if self.alibi else None)
-        if cache is not None:  # every key it holds, their visibility (causal, window, ALiBi) one mask of them all
+        if cache is not None:  # all the keys it holds, seen through one mask: causality, window, ALiBi
             k, v = cache.append(k, v, positions, cu_seqlens)  # (B, nkv, max_len, hs)
             given = None if attn_mask is None else _check_mask(attn_mask, q, (B, nh, T, k.size(-2)))
             attn_mask = mask_block(given, slice(0, T), slice(0, k.size(-2)), is_causal=True,
@@ -320,7 +319,7 @@ class MultiHeadAttention(nn.Module):
             y = attention(q, k, v, attn_mask, p, is_causal, impl=self.impl, chunk_size=self.chunk_size, **kw)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
         y = self.proj(y)
-        return (y, weights) if need_weights else y  # weights: (B, nh, T, T), or (B, nh, T, max_len) with a cache
+        return (y, weights) if need_weights else y  # weights: (B, nh, T, T) (T, max_len with a cache)
 
     @classmethod
     def from_torch(cls, m, impl="flash"):
@@ -343,10 +342,9 @@ class MultiHeadAttention(nn.Module):
 
 
 class KVCache:
-    """A causal decoder's keys and values of the positions seen so far, for one MultiHeadAttention: k and v
-    (B, n_kv_heads, max_len, hs), made once, and `length`, the positions written, a () int64 tensor on their
-    device. So under torch.compile every step has the same shapes, one graph, and reads nothing on the host (a
-    cache grown by concatenation would change shape, and recompile, at every step)."""
+    """A causal decoder's keys and values so far, for one MultiHeadAttention: k, v (B, n_kv_heads, max_len,
+    hs) made once, and `length`, the positions written, a () int64 tensor on their device; so every compiled
+    step has one shape, one graph, no host read (a cache grown by concatenation recompiles at every step)."""
 
     def __init__(self, batch_size, n_kv_heads, max_len, head_size, device=None, dtype=None):
         self.k = torch.zeros(batch_size, n_kv_heads, max_len, head_size, device=device, dtype=dtype)
@@ -354,12 +352,11 @@ class KVCache:
         self.length = torch.zeros((), dtype=torch.long, device=device)
 
     def append(self, k, v, positions, cu_seqlens=None):
-        """Write k, v (B, n_kv_heads, T, hs) at `positions`, the next T, in place; returns the whole k and v."""
+        """Write k, v (B, n_kv_heads, T, hs) at `positions`, the next T, in place; returns all of k and v."""
         if cu_seqlens is not None or k.shape[:2] != self.k.shape[:2] or k.dtype != self.k.dtype:
-            raise ValueError(f"a cache of {tuple(self.k.shape)} {self.k.dtype} takes keys of (B, n_kv_heads) = "
-                             f"{tuple(self.k.shape[:2])} in its dtype, and no packed documents; got "
-                             f"{tuple(k.shape)} {k.dtype}, cu_seqlens={cu_seqlens is not None}")
-        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):  # the graph would grow every step
+            raise ValueError(f"a cache of {tuple(self.k.shape)} {self.k.dtype} takes keys of its (B, H_kv) "
+                             f"and dtype, no documents: got {tuple(k.shape)} {k.dtype}, {cu_seqlens}")
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):  # its graph would grow each step
             raise ValueError("a KV cache serves inference: decode under torch.no_grad() (or inference_mode)")
         _check_range(positions, 0, self.k.size(-2), "the positions in the KV cache (its max_len)")
         self.k.index_copy_(2, positions, k)
@@ -466,7 +463,8 @@ class EncoderLayer(nn.Module):
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be one of {tuple(_ACTIVATIONS)}, got {activation!r}")
         self.self_attn = MultiHeadAttention(d_model, n_heads, dropout, bias, impl, chunk_size=chunk_size,
-                                            window_size=window_size, rope=rope, alibi=alibi, n_kv_heads=n_kv_heads)
+                                            window_size=window_size, rope=rope, alibi=alibi,
+                                            n_kv_heads=n_kv_heads)
         self.linear1 = nn.Linear(d_model, d_ff, bias=bias)
         self.linear2 = nn.Linear(d_ff, d_model, bias=bias)
         self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
@@ -580,8 +578,8 @@ class Encoder(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):  # std 1/sqrt(d): times sqrt(d) in _embed, tokens have unit scale,
-            # as the sinusoidal and learned positions they are added to
+        elif isinstance(module, nn.Embedding):  # std 1/sqrt(d): times sqrt(d) in _embed, tokens have unit
+            # scale, as the sinusoidal and learned positions they are added to
             nn.init.normal_(module.weight, std=module.embedding_dim ** -0.5 if module is self.embed else 1.0)
 
     def num_params(self):
@@ -611,15 +609,15 @@ class Encoder(nn.Module):
             _check_range(positions, 0, self.config.max_len, "positions inside each document or shard")
         caches = [None] * len(self.layers) if cache is None else cache
         if len(caches) != len(self.layers):
-            raise ValueError(f"cache holds {len(caches)} KVCaches for {len(self.layers)} layers: one per layer")
-        x = self._embed(idx, positions if cache is None else cache[0].length + torch.arange(idx.size(-1),
-                                                                                               device=idx.device))
+            raise ValueError(f"cache holds {len(caches)} KVCaches for {len(self.layers)} layers: one a layer")
+        at = positions if cache is None else cache[0].length + torch.arange(idx.size(-1), device=idx.device)
+        x = self._embed(idx, at)  # (B, T, d_model): with a cache, at the positions that continue it
         for layer, layer_cache in zip(self.layers, caches):
             x = layer(x, attn_mask, is_causal, positions, cu_seqlens, layer_cache)
         return self.norm(x)
 
     def kv_caches(self, batch_size, device=None, dtype=None):
-        """An empty KVCache per layer for batch_size sequences of up to config.max_len tokens (default: on the
+        """An empty KVCache per layer, for batch_size sequences of config.max_len tokens (default: on the
         model's device, in its dtype)."""
         c, w = self.config, self.embed.weight
         return [KVCache(batch_size, c.n_kv_heads or c.n_heads, c.max_len, c.d_model // c.n_heads,
@@ -1124,9 +1122,9 @@ def parse_args(argv=None):
 # - dropout_p, scale, and under autocast float32 q, k, v computed and returned in autocast's dtype;
 # - in float16 and bfloat16 FlashAttention's rule: an error against float64 at most twice that of
 #   standard attention computed in the inputs' dtype;
-# - torch.compile(fullgraph=True), and no host-device sync in forward or backward: off the CPU no device tensor
-#   is read on the host (cu_seqlens lives on the CPU; a CPU has no device to wait for: there the checks read
-#   values to name them, and flash looks at a float mask for far rows).
+# - torch.compile(fullgraph=True), and no host-device sync in forward or backward: off the CPU no device
+#   tensor is read on the host (cu_seqlens lives on the CPU; a CPU has no device to wait for: there the checks
+#   read values to name them, and flash looks at a float mask for far rows).
 
 # Masks: which keys a query sees, and ALiBi's bias. One visibility rule (causality, window, documents,
 # attn_mask, ALiBi) serves every path: naive and flash ask mask_block for the whole score matrix, chunked
@@ -1168,11 +1166,12 @@ def documents(cu_seqlens, L, device=None):
     return both.to(device, non_blocking=True).unbind()
 
 
-def mask_block(attn_mask, rows, cols, *, is_causal=False, shift=0, window_size=None, doc_ids=None, offsets=None,
-               alibi_slopes=None, scores=None, device=None):
-    """The mask of scores[..., rows, cols] (rows, cols: slices of the queries and of the keys), query i sitting at
-    key position i + shift for causality, the window and ALiBi: shift 0 is top-left, Lk - Lq bottom-right, and a
-    () tensor on the device (a static KV cache's length) builds the whole block, nothing read on the host.
+def mask_block(attn_mask, rows, cols, *, is_causal=False, shift=0, window_size=None, doc_ids=None,
+               offsets=None, alibi_slopes=None, scores=None, device=None):
+    """The mask of scores[..., rows, cols] (rows, cols: slices of the queries and of the keys), query i
+    sitting at key position i + shift for causality, the window and ALiBi: shift 0 is top-left, Lk - Lq
+    bottom-right, and a () tensor on the device (a static KV cache's length) builds the whole block, reading
+    nothing on the host.
 
     Returns a bool mask (True = keep), a float mask (added to the scores), or None (keep every key),
     broadcastable to (B, H, rows, cols). Causality, the window and documents are built from positions, and
@@ -1221,9 +1220,9 @@ def mask_block(attn_mask, rows, cols, *, is_causal=False, shift=0, window_size=N
 
 
 def _key_blocks(rows, Lk, ck, is_causal, window_size, offsets=None, shift=0):
-    """Slices of the key blocks of size ck that queries `rows` (at key positions i + shift) can see: blocks that
-    causality, the window or documents (offsets: cu_seqlens as a list) hide are never computed, and the visited
-    range is cut to the visible keys."""
+    """Slices of the key blocks of size ck that queries `rows` (at key positions i + shift) can see: blocks
+    that causality, the window or documents (offsets: cu_seqlens as a list) hide are never computed, and the
+    visited range is cut to the visible keys."""
     lo, hi = 0, Lk
     if is_causal:
         hi = min(hi, rows.stop + shift)  # keys j <= i + shift < rows.stop + shift
@@ -1279,9 +1278,9 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     Returns out (B, H, Lq, Dv) and the weights (B, H, Lq, Lk) it used, after dropout, so that
     out == weights @ v. Standard attention as it is written: computed in the inputs' dtype (softmax
     accumulates in float32 inside), a float mask (and ALiBi's bias, built whole) added in float32 or wider.
-    Causality top-left, or bottom-right with causal_lower_right; with enable_gqa K and V repeated per query head."""
-    q, k, v, attn_mask, is_causal, shift, scale = _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale,
-                                                                  window_size, cu_seqlens, enable_gqa)
+    Causality top-left, or bottom-right with causal_lower_right; enable_gqa repeats K, V per query head."""
+    q, k, v, attn_mask, is_causal, shift, scale = _attention_args(
+        q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
     Lq, Lk = q.size(-2), k.size(-2)
     doc_ids = None if cu_seqlens is None else documents(cu_seqlens, Lq, q.device)[0]
     mask = mask_block(attn_mask, slice(0, Lq), slice(0, Lk), is_causal=is_causal, shift=shift,
@@ -1328,11 +1327,11 @@ def attend_block(q, k, v, rows, o, m, l, opts):
 
     Z_j is dropout's keep-mask (all ones without dropout); l counts the dropped weights too, so
     that out = o / (l * (1 - p)) keeps the expectation. o (B, H, rows, Dv), m and l (B, H, rows, 1),
-    float32 (float64 for float64), are updated in place; opts: block_options. k, v may have fewer heads
-    (grouped-query attention): each K/V block then serves the G query heads that read it in one product.
+    float32 (float64 for float64), are updated in place; opts: block_options. k, v may have fewer heads (GQA).
     """
     q_i = _per_kv_head(q[:, :, rows], k)  # (B, H_kv, G * cq, D)
-    for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size, opts.offsets, opts.shift):
+    for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size, opts.offsets,
+                            opts.shift):
         s = _scores(q_i, k, rows, cols, opts)  # (B, H, cq, ck)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         # a row masked so far has m_new = -inf, and exp2(-inf - (-inf)) = NaN: the lowest
@@ -1343,8 +1342,8 @@ def attend_block(q, k, v, rows, o, m, l, opts):
         l.mul_(alpha).add_(p.sum(-1, keepdim=True))
         if opts.dropout_p > 0.0:
             _drop(p, _keep_bits(opts.row_hash[:, :, rows], opts.col_hash[cols], opts.dropout_p))
-        o.mul_(alpha).add_(_matmul(_per_kv_head(p.to(v.dtype), k), v[:, :, cols]).view(o.shape))  # P rounded to
-        # the inputs' dtype; no name holds the product, which a name would keep alive into the next block
+        # P rounded to the inputs' dtype; no name holds the product, which would keep it into the next block
+        o.mul_(alpha).add_(_matmul(_per_kv_head(p.to(v.dtype), k), v[:, :, cols]).view(o.shape))
         m.copy_(m_new)
 
 
@@ -1387,7 +1386,8 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
     m, log2_l = m[:, :, rows], log2_l[:, :, rows]  # (B, H, cq, 1)
     delta = (dout_i.to(m.dtype) * out[:, :, rows].to(m.dtype)).sum(-1, keepdim=True)  # rowsum(dO * O)
     q_i, dout_i = _per_kv_head(q[:, :, rows], k), _per_kv_head(dout_i, k)  # (B, H_kv, G * cq, D or Dv)
-    for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size, opts.offsets, opts.shift):
+    for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size, opts.offsets,
+                            opts.shift):
         p = _scores(q_i, k, rows, cols, opts).sub_(m).sub_(log2_l).exp2_()  # P_j (B, H, cq, ck)
         dp = _matmul(dout_i, v[:, :, cols].transpose(-2, -1)).view(p.shape)  # (B, H, cq, ck)
         p_dropped = p
@@ -1423,16 +1423,17 @@ def default_chunk_size(device):
 
 
 def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
-                      window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None, enable_gqa=False):
+                      window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None,
+                      enable_gqa=False):
     """softmax(Q K^T * scale + M) V, the same result as naive_attention, in O(L) memory.
 
-    chunk_size: int or (query block, key block); None: default_chunk_size. Blocks that causality (top-left, or
-    bottom-right with causal_lower_right), window_size or the documents of cu_seqlens hide are skipped; ALiBi's
-    bias is made block by block. With enable_gqa K, V and their gradients keep H_kv heads: never repeated.
-    Gradients flow to q, k, v and to a float attn_mask that requires grad. Dropout's seed is drawn from the
-    device's generator."""
-    q, k, v, attn_mask, is_causal, shift, scale = _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale,
-                                                                  window_size, cu_seqlens, enable_gqa)
+    chunk_size: int or (query block, key block); None: default_chunk_size. Blocks that causality (top-left,
+    or bottom-right with causal_lower_right), window_size or the documents of cu_seqlens hide are skipped;
+    ALiBi's bias is made block by block; with enable_gqa K, V and their gradients keep H_kv heads, never
+    repeated. Gradients flow to q, k, v and to a float attn_mask that requires grad; dropout's seed is drawn
+    from the device's generator."""
+    q, k, v, attn_mask, is_causal, shift, scale = _attention_args(
+        q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
     cq, ck = _chunks(default_chunk_size(q.device) if chunk_size is None else chunk_size)
     seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
     alibi_slopes = _check_alibi(alibi_slopes, q)
@@ -1522,7 +1523,8 @@ def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 
 @_chunked_fwd.register_fake
-def _(q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p, is_causal, scale, window_size, cq, ck, shift=0):
+def _(q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p, is_causal, scale, window_size, cq, ck,
+      shift=0):
     stats = q.new_empty(*q.shape[:-1], 1, dtype=torch.promote_types(q.dtype, torch.float32))
     return q.new_empty(*q.shape[:-1], v.size(-1)), stats, torch.empty_like(stats)
 
@@ -1554,9 +1556,8 @@ _BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(a, b, ou
 
 
 def _per_kv_head(x, k):
-    """x (B, H, rows, n) as (B, H_kv, G * rows, n): the G = H / H_kv query heads that read one K/V head of k
-    stacked along the rows, so that one product with each K/V block serves them all (grouped-query attention);
-    a view where H_kv = H or x is contiguous, else a copy of x."""
+    """x (B, H, rows, n) as (B, H_kv, G * rows, n): the G query heads that read one K/V head stacked along the
+    rows, so one product with each K/V block serves them all (GQA); a view where G = 1 or x is contiguous."""
     return x.reshape(x.size(0), k.size(1), -1, x.size(-1))
 
 
@@ -1657,7 +1658,7 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 
     When no fused kernel accepts the inputs (dropout on a CPU, say), on_math decides: "warn" and run the math
     kernel, "raise" a RuntimeError, or "allow". A mask, window, documents or bottom-right causality
-    (causal_lower_right, Lq != Lk) reach SDPA as one (.., Lq, Lk) mask (ALiBi's bias too, (B or 1, H, Lq, Lk));
+    (causal_lower_right, Lq != Lk) reach SDPA as one (.., Lq, Lk) mask (ALiBi's bias too: (B|1, H, Lq, Lk));
     top-left is_causal alone as the kernel's flag; enable_gqa as SDPA's own. Under torch.compile, and where
     torch cannot report its kernel (MPS, XPU), SDPA runs unchecked.
 
@@ -1671,8 +1672,8 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     and, with k's gradient, twice the time (_far_rows)."""
     if on_math not in ("warn", "raise", "allow"):
         raise ValueError(f"on_math must be 'warn', 'raise' or 'allow', got {on_math!r}")
-    q, k, v, attn_mask, is_causal, shift, scale = _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale,
-                                                                  window_size, cu_seqlens, enable_gqa)
+    q, k, v, attn_mask, is_causal, shift, scale = _attention_args(
+        q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
     call = _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens,
                       alibi_slopes=_check_alibi(alibi_slopes, q), shift=shift)
     if call.kernel == "math" and on_math != "allow":
@@ -1710,10 +1711,10 @@ def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_
     device_type, choose = device_type or ("cpu" if q.is_cpu else q.device.type), choose or _chosen_kernel
     mask, dead = attn_mask, None
     if shift or window_size is not None or cu_seqlens is not None or alibi_slopes is not None or (
-            is_causal and attn_mask is not None):  # else SDPA takes attn_mask as it is, and causality as a flag
+            is_causal and attn_mask is not None):  # else SDPA takes attn_mask as it is, causality as a flag
         doc_ids = None if cu_seqlens is None else documents(cu_seqlens, q.size(-2), q.device)[0]
-        mask = mask_block(attn_mask, slice(0, q.size(-2)), slice(0, k.size(-2)), is_causal=is_causal, shift=shift,
-                          window_size=window_size, doc_ids=doc_ids, alibi_slopes=alibi_slopes,
+        mask = mask_block(attn_mask, slice(0, q.size(-2)), slice(0, k.size(-2)), is_causal=is_causal,
+                          shift=shift, window_size=window_size, doc_ids=doc_ids, alibi_slopes=alibi_slopes,
                           device=q.device)
         is_causal = False
     float_mask = mask is not None and mask.is_floating_point()
@@ -1824,8 +1825,8 @@ def _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale):
 def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
                      window_size=None, cu_seqlens=None, alibi_slopes=None, enable_gqa=False):
     """Which SDPA kernel flash_attention would run for these inputs (see _chosen_kernel)."""
-    q, k, v, attn_mask, is_causal, shift, scale = _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale,
-                                                                  window_size, cu_seqlens, enable_gqa)
+    q, k, v, attn_mask, is_causal, shift, scale = _attention_args(
+        q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
     return _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens,
                       alibi_slopes=_check_alibi(alibi_slopes, q), shift=shift).kernel
 
@@ -1835,19 +1836,21 @@ def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
 # algorithms' way
 
 
-def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens=None, enable_gqa=False):
+def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens=None,
+                    enable_gqa=False):
     """The arguments every path takes, checked, then as SDPA takes them (scale = 1/sqrt(D) unless given, and
-    under autocast float32 q, k, v in autocast's dtype, as SDPA is on its lower-precision list): (q, k, v, attn_mask
-    ready for mask_block, is_causal, shift, scale). shift: query i sits at key position i + shift, 0 (top-left,
-    is_causal's alignment, as SDPA's) or, for SDPA's causal_lower_right, Lk - Lq (bottom-right: a KV cache's)."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:  # (every check reads each attribute once: flash's overhead)
+    under autocast float32 q, k, v in autocast's dtype, SDPA being on its lower-precision list): (q, k, v,
+    attn_mask ready for mask_block, is_causal, shift, scale). shift: query i sits at key position i + shift, 0
+    (top-left, is_causal's alignment, as SDPA's) or Lk - Lq for SDPA's causal_lower_right (bottom-right: a KV
+    cache's). Each attribute is read once: this is most of flash's own cost."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         name, t = next((name, t) for name, t in (("q", q), ("k", k), ("v", v)) if t.dim() != 4)
         raise ValueError(f"{name} must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
     (B, H, Lq, D), (Bk, Hk, Lk, Dk), (Bv, Hv, Lv, _) = q.shape, k.shape, v.shape
     if B != Bk or (Bk, Hk) != (Bv, Hv) or (H % Hk if enable_gqa else H != Hk):
-        raise ValueError(f"q, k, v must share (B, H), or with enable_gqa=True k and v have H_kv heads, a divisor "
-                         f"of q's H (grouped-query attention); got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}, enable_gqa={enable_gqa}")
+        raise ValueError(f"q, k, v must share (B, H), or with enable_gqa=True k and v have H_kv heads, a "
+                         f"divisor of q's H (grouped-query attention); got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}, enable_gqa={enable_gqa}")
     if D != Dk:
         raise ValueError(f"q and k must share the head dim, got {tuple(q.shape)} and {tuple(k.shape)}")
     if Lk != Lv:
@@ -1863,29 +1866,28 @@ def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size
         raise ValueError(f"window_size must be a non-negative int or None, got {window_size!r}")
     if cu_seqlens is not None:
         if Lq != Lk:
-            raise ValueError(f"cu_seqlens packs documents for self-attention: Lq must equal Lk, got {Lq} and {Lk}")
+            raise ValueError(f"cu_seqlens packs documents for self-attention: Lq must equal Lk, got {Lq} "
+                             f"and {Lk}")
         _check_cu_seqlens(cu_seqlens, Lq)
     shift = 0
     if isinstance(attn_mask, CausalBias):  # SDPA's causality as a mask
         if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (Lq, Lk) or is_causal:
-            raise ValueError(f"a CausalBias of (Lq, Lk) = {(attn_mask.seq_len_q, attn_mask.seq_len_kv)} for q and k "
-                             f"of {(Lq, Lk)}, with is_causal={is_causal}: it must match them, and it is the "
-                             "causality (SDPA refuses is_causal=True beside it)")
+            raise ValueError(f"a CausalBias of (Lq, Lk) = {(attn_mask.seq_len_q, attn_mask.seq_len_kv)} "
+                             f"for q and k of {(Lq, Lk)}, with is_causal={is_causal}: it must match them, "
+                             "and it is the causality (SDPA refuses is_causal=True beside it)")
         attn_mask, is_causal, shift = None, True, (Lk - Lq) * (attn_mask.variant == CausalVariant.LOWER_RIGHT)
-    elif is_causal and Lq != Lk and not torch.compiler.is_compiling():
-        _warn_top_left()
+    elif is_causal and Lq != Lk and not torch.compiler.is_compiling():  # Python shows it once a call site
+        warnings.warn("is_causal=True with Lq != Lk aligns the diagonal top-left, as SDPA does: query i sees "
+                      "keys 0 .. i. Queries that follow Lk - Lq cached keys (a KV cache) see keys 0 .. "
+                      "i + Lk - Lq with attn_mask=torch.nn.attention.bias.causal_lower_right(Lq, Lk)",
+                      stacklevel=3)
     if dtype == torch.float32 and torch.is_autocast_enabled("cpu" if q.is_cpu else device.type):  # as SDPA's
         dtype = torch.get_autocast_dtype(device.type)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)  # SDPA's default
-    return q, k, v, None if attn_mask is None else _check_mask(attn_mask, q, (B, H, Lq, Lk)), is_causal, shift, scale
+    attn_mask = None if attn_mask is None else _check_mask(attn_mask, q, (B, H, Lq, Lk))
+    return q, k, v, attn_mask, is_causal, shift, scale
 
-
-@functools.cache  # once
-def _warn_top_left():
-    warnings.warn("is_causal=True with Lq != Lk aligns the diagonal top-left, as SDPA does: query i sees keys "
-                  "0 .. i. Queries that follow Lk - Lq cached keys (a KV cache) see keys 0 .. i + Lk - Lq with "
-                  "attn_mask=torch.nn.attention.bias.causal_lower_right(Lq, Lk) instead", stacklevel=4)
 
 
 def _check_alibi(slopes, q):
@@ -1907,7 +1909,7 @@ def _check_alibi(slopes, q):
 def _check_mask(attn_mask, q, target):
     """attn_mask as it is (bool or float, on q's device, broadcasting to target, (B, H, Lq, Lk)), or a clear
     error."""
-    if type(attn_mask) not in (torch.Tensor, nn.Parameter):  # a subclass may mean something else than its values
+    if type(attn_mask) not in (torch.Tensor, nn.Parameter):  # a subclass may mean more than its values
         raise TypeError(f"attn_mask must be a plain bool or float tensor (or SDPA's CausalBias), got a "
                         f"{type(attn_mask).__name__}")
     if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
@@ -1919,7 +1921,8 @@ def _check_mask(attn_mask, q, target):
                          "it is made (a copy in every call would make the host wait for the device)")
     shape = tuple(attn_mask.shape)
     b, h, i, j = (1,) * (4 - len(shape)) + shape if len(shape) <= 4 else (0,) * 4
-    if b not in (1, target[0]) or h not in (1, target[1]) or i not in (1, target[2]) or j not in (1, target[3]):
+    B, H, Lq, Lk = target
+    if b not in (1, B) or h not in (1, H) or i not in (1, Lq) or j not in (1, Lk):
         raise ValueError(f"attn_mask of shape {shape} does not broadcast to (B, H, Lq, Lk) = {tuple(target)}")
     if len(shape) < 2:  # (Lk,) or (): one row for every query, as broadcasting reads it
         attn_mask = attn_mask.expand(1, target[-1])
@@ -1948,10 +1951,8 @@ def _check_cu_seqlens(cu_seqlens, L):
 def _no_autocast(q):
     """Autocast switched off where it is on: inside, the inputs' dtypes decide."""
     device_type = "cpu" if q.is_cpu else q.device.type
-    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else _NO_CONTEXT
-
-
-_NO_CONTEXT = contextlib.nullcontext()  # reusable: it holds no state
+    on = torch.is_autocast_enabled(device_type)
+    return torch.autocast(device_type, enabled=False) if on else contextlib.nullcontext()
 
 
 def _chunks(chunk_size):
