@@ -37,6 +37,14 @@ What is checked, against what, to which tolerance:
   resumes, corrupt checkpoints, non-finite loss, unscale-before-clip, tokens/s without evaluation, fsync, the
   schedule, weight decay groups, evaluation counts, torchrun with 2 processes: the task's targets, the float32
   run, an uninterrupted run, autograd, hand counts, one process on the global batch (exact where stated).
+- decoders, every path and the core: SDPA's CausalBias (upper-left, lower-right; Lq = Lk, Lq < Lk, Lq = 1,
+  Lq > Lk upper-left), bottom-right with a window and ALiBi, a chunked prefill, grouped-query attention at
+  H_kv = 1, 2, 4 of 8 with causality, padding, a window and ALiBi, forward and gradients: SDPA math float64 on
+  K, V repeated with the mask and bias written from positions (1e-10); FlashAttention's rule for GQA and
+  lower-right (bf16, fp16); MultiHeadAttention and the Encoder against an oracle from their own weights, head
+  by head (K/V head, ALiBi slope, RoPE positions after a cache); decoding token by token through the KV caches,
+  eager and compiled (one graph), against the whole causal forward (1e-10), no host read; chunked GQA's memory
+  against K, V repeated (the allocator); refused decoder inputs by name.
 - packed documents (cu_seqlens), every path: forward and gradients with causal, padding, a float bias, a
   window and empty documents; each document attended alone; the encoder (sinusoidal, learned, RoPE);
   gradcheck; blocks visited and masked; dropout inside documents; FlashAttention's rule (bf16, fp16); compile
@@ -1364,6 +1372,311 @@ def test_chunked_alibi_saves_no_quadratic_tensor():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
         mt.chunked_attention(q, k, v, chunk_size=64, alibi_slopes=mt.alibi_slopes(2), is_causal=True)
     assert max(sizes) <= 2 * L * 16
+
+
+# ----------------------------------------------------------------------------- decoders: CausalBias, GQA, KV cache
+# SDPA's CausalBias objects as attn_mask, bottom-right alignment for causality, the window and ALiBi, grouped-query
+# attention and the KV cache: against SDPA's math kernel in float64 with the masks, biases and repeated K/V the
+# tests build themselves (1e-10), FlashAttention's rule in 16 bits, and the modules against oracles written from
+# their own weights.
+
+def decoder_ref(q, k, v, shift=0, causal=True, window=None, slopes=None, keep=None):
+    """SDPA's math kernel in float64 on K, V repeated per query head (query head h reads h // G), with the mask
+    and ALiBi's bias written out from positions: query i at key position i + shift."""
+    H, G = q.size(1), q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    i = torch.arange(q.size(-2))[:, None] + shift
+    j = torch.arange(k.size(-2))[None, :]
+    visible = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool)
+    visible = visible & (j <= i) if causal else visible
+    visible = visible & ((i - j).abs() <= window) if window is not None else visible
+    visible = visible if keep is None else visible & keep
+    bias = torch.zeros(q.size(0), H, q.size(-2), k.size(-2), dtype=torch.float64)
+    if slopes is not None:
+        bias = bias - slopes.double()[None, :, None, None] * (i - j).abs()
+    return reference(q, k, v, bias=bias.masked_fill(~visible, -math.inf))
+
+
+def assert_grads_close(ours, ref, tol, what):
+    for name, x, r in zip(("out", "dq", "dk", "dv"), ours, ref):
+        torch.testing.assert_close(x, r, atol=tol, rtol=0, msg=lambda m: f"{what} {name}: {m}")
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("Lq,Lk", [(16, 16), (5, 37), (1, 37), (37, 5)])
+@pytest.mark.parametrize("variant", ["upper_left", "lower_right"])
+def test_causal_bias_means_what_sdpa_means(impl, Lq, Lk, variant):
+    # causal_upper_left is is_causal; causal_lower_right(Lq, Lk) lets query i see keys j <= i + Lk - Lq; forward
+    # and dq, dk, dv at 1e-10, Lq = Lk, Lq < Lk (Lq = 1 a decoding step) and, upper-left, Lq > Lk
+    if variant == "lower_right" and Lq > Lk:
+        pytest.skip("lower-right with Lq > Lk leaves rows without keys, which SDPA itself gives NaN")
+    bias = getattr(torch.nn.attention.bias, f"causal_{variant}")(Lq, Lk)
+    q, k, v = make_qkv(2, 2, Lq, Lk, 16, Dv=8)
+    dout = torch.randn(2, 2, Lq, 8, dtype=torch.float64)
+    shift = Lk - Lq if variant == "lower_right" else 0
+    ref = grads_of(lambda q, k, v: decoder_ref(q, k, v, shift), q, k, v, dout)
+    ours = grads_of(lambda q, k, v: run_path(impl, q, k, v, attn_mask=bias), q, k, v, dout)
+    assert_grads_close(ours, ref, 1e-10, f"{impl} {variant}")
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+def test_lower_right_carries_to_the_window_and_alibi(impl):
+    # bottom-right: query i sits at key position i + Lk - Lq for causality, the window and ALiBi's distance alike
+    Lq, Lk, H = 9, 50, 4
+    q, k, v = make_qkv(2, H, Lq, Lk, 16, seed=1)
+    dout = torch.randn(2, H, Lq, 16, dtype=torch.float64)
+    slopes = mt.alibi_slopes(H)
+    bias = torch.nn.attention.bias.causal_lower_right(Lq, Lk)
+    ref = grads_of(lambda q, k, v: decoder_ref(q, k, v, Lk - Lq, window=6, slopes=slopes), q, k, v, dout)
+    ours = grads_of(lambda q, k, v: run_path(impl, q, k, v, attn_mask=bias, window_size=6, alibi_slopes=slopes),
+                    q, k, v, dout)
+    assert_grads_close(ours, ref, 1e-10, impl)
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+def test_a_chunked_prefill_gives_those_rows_of_the_full_causal_result(impl):
+    # queries t0..t1 against keys 0..t1, bottom-right: the same rows, and gradients, as the whole causal call
+    t0, t1 = 40, 70
+    q, k, v = make_qkv(2, 2, t1, t1, 16, seed=2)
+    dout = torch.randn(2, 2, t1, 16, dtype=torch.float64)
+    dout[:, :, :t0] = 0  # the whole call's gradients from those rows alone
+    full = grads_of(lambda q, k, v: run_path(impl, q, k, v, is_causal=True), q, k, v, dout)
+    part = grads_of(lambda q, k, v: run_path(impl, q[:, :, t0:], k, v, attn_mask=torch.nn.attention.bias.
+                                             causal_lower_right(t1 - t0, t1)), q, k, v, dout[:, :, t0:])
+    torch.testing.assert_close(part[0], full[0][:, :, t0:], atol=1e-10, rtol=0)
+    for name, x, r in zip(("dq", "dk", "dv"), part[1:], full[1:]):
+        torch.testing.assert_close(x, r, atol=1e-10, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("Hkv", [1, 2, 4])
+@pytest.mark.parametrize("case", ["causal", "padding", "window", "alibi", "causal+padding+window+alibi"])
+def test_grouped_query_attention_is_attention_on_repeated_kv(impl, Hkv, case):
+    # enable_gqa: k, v carry Hkv of 8 heads, query head h reading K/V head h // (8 / Hkv), as SDPA and Llama's
+    # repeat_kv; against SDPA float64 on K, V repeated (their gradients summed over each group by autograd)
+    H, L = 8, 45
+    q, _, _ = make_qkv(2, H, L, L, 16, seed=3)
+    _, k, v = make_qkv(2, Hkv, L, L, 16, seed=4)
+    dout = torch.randn(2, H, L, 16, dtype=torch.float64)
+    keep = mt.padding_mask(torch.tensor([45, 20]), L) if "padding" in case else None
+    kw = dict(is_causal="causal" in case, window_size=7 if "window" in case else None,
+              alibi_slopes=mt.alibi_slopes(H) if "alibi" in case else None)
+    ref = grads_of(lambda q, k, v: decoder_ref(q, k, v, causal=kw["is_causal"], window=kw["window_size"],
+                                               slopes=kw["alibi_slopes"], keep=keep), q, k, v, dout)
+    ours = grads_of(lambda q, k, v: run_path(impl, q, k, v, attn_mask=keep, enable_gqa=True, **kw), q, k, v, dout)
+    assert ours[2].shape == k.shape
+    assert_grads_close(ours, ref, 1e-10, f"{impl} {case}")
+
+
+@pytest.mark.parametrize("core", CORE)
+@pytest.mark.parametrize("Hkv", [1, 2, 4])
+def test_core_takes_grouped_kv_heads(core, Hkv):
+    # the core with K/V heads that divide q's (multi-query and grouped-query attention), forward and backward,
+    # against SDPA float64 on K, V repeated; its backward had failed on one K/V head
+    q, _, _ = make_qkv(2, 8, 37, 29, 16, seed=5)
+    _, k, v = make_qkv(2, Hkv, 37, 29, 16, Dv=24, seed=6)
+    keep = mt.padding_mask(torch.tensor([29, 11]), 29)
+    dout = torch.randn(2, 8, 37, 24, dtype=torch.float64)
+    ref = grads_of(lambda q, k, v: decoder_ref(q, k, v, 0, keep=keep), q, k, v, dout)
+    ours = grads_of(lambda q, k, v: CORE[core](q, k, v, attn_mask=keep, is_causal=True), q, k, v, dout)
+    assert_grads_close(ours, ref, 1e-10, core)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["gqa", "lower_right", "gqa+lower_right"])
+def test_gqa_and_lower_right_meet_the_precision_rule(dtype, case):
+    # FlashAttention's rule: every path's output and gradients against float64 at most 2x the error of standard
+    # attention in dtype on K, V repeated with the same mask, + 1e-5; scores of standard deviation 3
+    g = torch.Generator().manual_seed(0)
+    H, Hkv, Lq, Lk = 8, 2 if "gqa" in case else 8, 300 if "lower" in case else 500, 500
+    q = torch.randn(1, H, Lq, 64, generator=g, dtype=torch.float64) * 3 ** 0.5
+    k = torch.randn(1, Hkv, Lk, 64, generator=g, dtype=torch.float64) * 3 ** 0.5
+    v = torch.randn(1, Hkv, Lk, 64, generator=g, dtype=torch.float64)
+    dout = torch.randn(1, H, Lq, 64, generator=g, dtype=torch.float64)
+    shift = Lk - Lq
+    keep = torch.ones(Lq, Lk, dtype=torch.bool).tril(shift)
+    ref = grads_of(lambda q, k, v: decoder_ref(q, k, v, shift), q, k, v, dout)
+    low = [t.to(dtype) for t in (q, k, v, dout)]
+    G = H // Hkv
+    std = grads_of(lambda q, k, v: attention_ref(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), keep), *low)
+    bias = torch.nn.attention.bias.causal_lower_right(Lq, Lk)
+    for impl in mt.IMPLS:
+        ours = grads_of(lambda q, k, v: run_path(impl, q, k, v, attn_mask=bias, enable_gqa=Hkv != H), *low)
+        for name, x, s_, r in zip(("out", "dq", "dk", "dv"), ours, std, ref):
+            err, std_err = (x.double() - r).abs().max().item(), (s_.double() - r).abs().max().item()
+            assert x.dtype == dtype and err <= 2 * std_err + 1e-5, f"{impl} {name}: {err:.3g} > 2 x {std_err:.3g}"
+
+
+def test_decoder_inputs_are_refused_by_name():
+    q, k, v = make_qkv(1, 8, 4, 6, 16)
+    with pytest.raises(ValueError, match=r"a divisor of q's H .*\(1, 8, 4, 16\), \(1, 3, 6, 16\)"):
+        mt.attention(q, k[:, :3], v[:, :3], enable_gqa=True)
+    with pytest.raises(ValueError, match=r"must share \(B, H\), or with enable_gqa=True"):
+        mt.attention(q, k[:, :2], v[:, :2])  # fewer K/V heads without enable_gqa
+    bias = torch.nn.attention.bias.causal_lower_right(4, 7)
+    for impl in mt.IMPLS:
+        with pytest.raises(ValueError, match=r"a CausalBias of \(Lq, Lk\) = \(4, 7\) for q and k of \(4, 6\)"):
+            mt.attention(q, k, v, attn_mask=bias, impl=impl)
+        with pytest.raises(ValueError, match="SDPA refuses is_causal=True beside it"):
+            mt.attention(q, k, v, attn_mask=torch.nn.attention.bias.causal_lower_right(4, 6), is_causal=True,
+                         impl=impl)
+
+    class Tagged(torch.Tensor):  # a subclass whose values are not all it means
+        pass
+    with pytest.raises(TypeError, match="a plain bool or float tensor .*got a Tagged"):
+        mt.attention(q, k, v, attn_mask=torch.ones(4, 6, dtype=torch.bool).as_subclass(Tagged))
+    with pytest.raises(ValueError, match="n_kv_heads must be a positive divisor of n_heads=8: got 3"):
+        mt.MultiHeadAttention(64, 8, n_kv_heads=3)
+    with pytest.warns(UserWarning, match="aligns the diagonal top-left.*causal_lower_right"):
+        mt.attention(q, k, v, is_causal=True)  # a decoding step's queries after cached keys, top-left
+    mha = mt.MultiHeadAttention(64, 2, alibi=True)
+    cache = mt.KVCache(1, 2, 8, 32)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="positions= with ALiBi or a cache"):
+            mha(torch.randn(1, 3, 64), positions=torch.arange(3))  # ignored before: ALiBi's bias takes none
+        with pytest.raises(ValueError, match="a cache without is_causal=True"):
+            mha(torch.randn(1, 3, 64), cache=cache)
+        with pytest.raises(ValueError, match=r"the positions in the KV cache \(its max_len\) must lie in \[0, 8\)"):
+            mha(torch.randn(1, 9, 64), is_causal=True, cache=cache)
+    with pytest.raises(ValueError, match="a KV cache serves inference: decode under torch.no_grad"):
+        mha(torch.randn(1, 3, 64), is_causal=True, cache=cache)
+
+
+def mha_oracle(mha, x, positions=None, keys=None):
+    """MultiHeadAttention's output written from its own weights, head by head: query head h reads K/V head
+    h // (n_heads / n_kv_heads) and has ALiBi's slope 2^(-8(h + 1) / n_heads) (a power of 2 of heads); RoPE
+    rotates pair (d, d + hs/2) by position * 10000^(-2d/hs); causal, query t at positions[t] seeing the keys at
+    positions <= it. keys: the (x, positions) of earlier tokens that the keys and values also cover (a cache)."""
+    C, nh, nkv = mha.d_model, mha.n_heads, mha.n_kv_heads
+    hs, G = C // nh, nh // nkv
+    W, b = mha.qkv.weight, mha.qkv.bias
+    T = x.size(1)
+    positions = torch.arange(T) if positions is None else positions
+    xk, pk = (x, positions) if keys is None else (torch.cat([keys[0], x], 1), torch.cat([keys[1], positions]))
+
+    def rope(t, pos):  # (B, L, hs)
+        if mha.rope is None:
+            return t
+        angle = pos[:, None].double() * 10000.0 ** (-torch.arange(0, hs, 2, dtype=torch.float64) / hs)
+        cos, sin = (f(angle).float().double() for f in (torch.cos, torch.sin))  # as its float32 tables
+        a, bb = t[..., :hs // 2], t[..., hs // 2:]
+        return torch.cat([a * cos - bb * sin, bb * cos + a * sin], -1)
+    heads = []
+    for h in range(nh):
+        kv = h // G
+        qh = rope(x @ W[h * hs:(h + 1) * hs].T + b[h * hs:(h + 1) * hs], positions)
+        ks, vs = C + kv * hs, C + nkv * hs + kv * hs
+        kh = rope(xk @ W[ks:ks + hs].T + b[ks:ks + hs], pk)
+        vh = xk @ W[vs:vs + hs].T + b[vs:vs + hs]
+        s = qh @ kh.transpose(-2, -1) / math.sqrt(hs)
+        if mha.alibi:
+            s = s - 2.0 ** (-8 * (h + 1) / nh) * (positions[:, None] - pk[None, :]).abs()
+        s = s.masked_fill(pk[None, :] > positions[:, None], -math.inf)
+        heads.append(s.softmax(-1) @ vh)
+    return mha.proj(torch.cat(heads, -1))
+
+
+@pytest.mark.parametrize("encoding", ["alibi", "rope"])
+def test_each_query_head_gets_its_kv_head_slope_and_positions(encoding):
+    # MultiHeadAttention with grouped K/V heads, against mha_oracle from its own weights: the whole sequence, and
+    # after a cache of 7 tokens the next 3 at positions 7, 8, 9, each path; a wrong head order (h % n_kv_heads),
+    # a wrong slope or positions restarting at 0 after the cache would each fail it
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # small heads
+        rope = mt.RotaryEmbedding(8, 64) if encoding == "rope" else None
+        mhas = {impl: randomized(mt.MultiHeadAttention(64, 8, impl=impl, n_kv_heads=2, rope=rope,
+                                                       alibi=encoding == "alibi", chunk_size=4).double())
+                for impl in mt.IMPLS}
+    x = torch.randn(2, 10, 64, dtype=torch.float64)
+    with torch.no_grad():
+        whole = mha_oracle(mhas["naive"], x)
+        step = mha_oracle(mhas["naive"], x[:, 7:], torch.arange(7, 10), keys=(x[:, :7], torch.arange(7)))
+        for impl, mha in mhas.items():
+            torch.testing.assert_close(mha(x, is_causal=True), whole, atol=1e-10, rtol=0)
+            cache = mt.KVCache(2, 2, 16, 8, dtype=torch.float64)
+            mha(x[:, :7], is_causal=True, cache=cache)
+            torch.testing.assert_close(mha(x[:, 7:], is_causal=True, cache=cache), step, atol=1e-10, rtol=0)
+            assert cache.length.item() == 10
+
+
+def test_the_encoder_gives_each_layer_its_kv_heads_and_slopes():
+    # the Encoder's n_kv_heads and ALiBi reach every layer: one pre-LN layer written from its own weights with
+    # mha_oracle, against the Encoder's output
+    cfg = mt.EncoderConfig(vocab_size=20, max_len=32, d_model=64, n_heads=8, n_kv_heads=2, n_layers=1, d_ff=64,
+                           pos_encoding="alibi", impl="chunked", chunk_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        enc = randomized(mt.Encoder(cfg).double())
+    idx = torch.randint(0, 20, (2, 12))
+    layer = enc.layers[0]
+    with torch.no_grad():
+        x = enc.embed(idx) * math.sqrt(64)
+        x = x + mha_oracle(layer.self_attn, layer.norm1(x))
+        x = x + layer.linear2(layer.activation(layer.linear1(layer.norm2(x))))
+        torch.testing.assert_close(enc(idx, is_causal=True), enc.norm(x), atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("encoding", mt.POS_ENCODINGS)
+def test_decoding_one_token_at_a_time_gives_the_causal_forward(impl, encoding):
+    # a causal stack of the module's layers (an Encoder, 2 layers, grouped K/V heads, a window), fed one token at a
+    # time through its KV caches, gives the outputs of the whole causal forward, float64 at 1e-10
+    cfg = mt.EncoderConfig(vocab_size=20, max_len=24, d_model=64, n_heads=4, n_kv_heads=2, n_layers=2, d_ff=64,
+                           impl=impl, pos_encoding=encoding, chunk_size=4, window_size=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        enc = randomized(mt.Encoder(cfg).double())
+    idx = torch.randint(0, 20, (2, 15), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        whole = enc(idx, is_causal=True)
+        caches = enc.kv_caches(2)
+        steps = torch.cat([enc(idx[:, t:t + 1], is_causal=True, cache=caches) for t in range(15)], 1)
+    torch.testing.assert_close(steps, whole, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+def test_a_compiled_decoding_step_is_one_graph_for_every_step_and_reads_nothing(impl):
+    # torch.compile(fullgraph=True) of one decoding step: one graph for all 12 steps (the cache's shapes never
+    # change), the outputs of the whole causal forward, and no host read in an eager step
+    cfg = mt.EncoderConfig(vocab_size=20, max_len=16, d_model=64, n_heads=4, n_kv_heads=1, n_layers=2, d_ff=64,
+                           impl=impl, pos_encoding="rope", chunk_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        enc = mt.Encoder(cfg).double().eval()
+    idx = torch.randint(0, 20, (2, 12), generator=torch.Generator().manual_seed(2))
+    from torch._dynamo.testing import CompileCounterWithBackend
+    counter = CompileCounterWithBackend("aot_eager")
+    with torch.no_grad():
+        whole = enc(idx, is_causal=True)
+        caches = enc.kv_caches(2)
+        step = torch.compile(lambda t: enc(t, is_causal=True, cache=caches), backend=counter, fullgraph=True)
+        torch.testing.assert_close(torch.cat([step(idx[:, t:t + 1]) for t in range(12)], 1), whole, atol=1e-10,
+                                   rtol=0)
+        assert counter.frame_count == 1
+        eager = enc.kv_caches(2)
+        assert host_reads(lambda: enc(idx[:, :1], is_causal=True, cache=eager)) == []
+
+
+def test_chunked_gqa_holds_no_repeated_kv():
+    # chunked fwd+bwd with one K/V head for 16 query heads holds at least four (H - 1)-head tensors (K, V, dK, dV
+    # repeated) less than with K and V repeated, by the allocator's record (study._AllocPeak)
+    H, n, D = 16, 4096, 64  # at n = 1024 the grouped path's row blocks of q and dout, copied, weigh 1.5 MiB
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(1, H, n, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, 1, n, D, generator=g) for _ in range(2))
+
+    def peak(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        fn(*leaves).backward(dout)  # warm-up
+        for t in leaves:
+            t.grad = None
+        with study._AllocPeak() as p:
+            fn(*leaves).backward(dout)
+        return p.mib
+    grouped = peak(lambda q, k, v: mt.chunked_attention(q, k, v, enable_gqa=True))
+    repeated = peak(lambda q, k, v: mt.chunked_attention(q, k.repeat_interleave(H, 1), v.repeat_interleave(H, 1)))
+    assert repeated - grouped >= 4 * (H - 1) * n * D * 4 / 2**20, (grouped, repeated)
 
 
 # ----------------------------------------------------------------------------- approximate attention
