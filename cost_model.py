@@ -139,7 +139,7 @@ def naive_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, masked):
 _ARGS_HANDED_OVER = sys.version_info >= (3, 11)
 
 
-def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies, alibi=0):
+def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies, alibi=0, Hkv=None):
     """The blocks of one block of query rows at its heaviest moment (attend_block, attend_block_backward).
 
     (cq, ck) blocks of scores in float32: S_j and P_j, and in the backward dP_j; a block lives until its
@@ -149,11 +149,11 @@ def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies, alibi=0)
     copies (`copies`: _matmul), beside float32 copies of the operands (rows of q or dout, key blocks of
     k or v) and the products. Each phase: (float32 blocks, 16-bit blocks, bytes of copies and products).
     alibi: ALiBi's bias, added to S_j in place from the distances (cq, ck), made beside it after the
-    copies its product took.
+    copies its product took. Hkv: the heads of K and V (grouped-query attention), which key blocks have.
     """
     acc = max(itemsize, 4)
     block, low = B * H * cq * ck * acc, B * H * cq * ck * itemsize * (itemsize < 4)
-    rows, cols = B * H * cq * acc, B * H * ck * acc  # bytes of one column of a row block, of a key block
+    rows, cols = B * H * cq * acc, B * (Hkv or H) * ck * acc  # bytes of one column of a row block, a key block
     kept = 0 if _ARGS_HANDED_OVER else 1  # a 16-bit argument of _matmul still alive during its product
     if mode == "fwd" and copies:
         phases = [(1 + several, 0, rows * D + cols * D),  # S_j = Q K_j^T beside P_{j-1}
@@ -179,25 +179,28 @@ def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies, alibi=0)
     return terms
 
 
-def chunked_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, cq, ck, docs=False, copies=False, alibi=0):
+def chunked_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, cq, ck, docs=False, copies=False, alibi=0, Hkv=None):
     """chunked_attention: linear in the lengths, plus a few (cq, ck) blocks (_block_memory).
 
     fwd: out, per query m and log2(l), and the running output o of one block of query rows. fwd+bwd:
     out, dQ, dK, dV accumulated in float32, m and log2(l) with the zero gradients autograd gives them;
     16-bit inputs end with dQ, dK, dV in float32 and rounded to their dtype at once. Documents add
     their ids and positions (documents()). copies: 16-bit products through float32 copies (CPU). alibi:
-    ALiBi's bias, added block by block (_block_memory).
+    ALiBi's bias, added block by block (_block_memory). Hkv: K and V's heads (grouped-query attention): dK, dV
+    have as many, and a block of query rows (and of dout) is copied to stack each K/V head's queries.
     """
-    acc, cq, ck = max(itemsize, 4), min(cq, Lq), min(ck, Lk)
+    acc, cq, ck, Hkv = max(itemsize, 4), min(cq, Lq), min(ck, Lk), Hkv or H
     stats = B * H * Lq * acc
     terms = {"out (B, H, Lq, Dv)": B * H * Lq * Dv * itemsize}
     if docs:
         terms["document ids and positions (2, L) int64"] = 2 * Lq * 8
-    blocks = _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, Lk > ck, copies, alibi)
+    if Hkv != H and cq < Lq:  # _per_kv_head's copies of a block of rows
+        terms["q (and dout) rows of a block, per K/V head"] = B * H * cq * (D + Dv * (mode != "fwd")) * itemsize
+    blocks = _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, Lk > ck, copies, alibi, Hkv)
     if mode == "fwd":
         return {**terms, "m, log2(l) (B, H, Lq)": 2 * stats, "o (B, H, cq, Dv) float32": B * H * cq * Dv * acc,
                 **blocks}
-    grads = B * H * (Lq * D + Lk * D + Lk * Dv)
+    grads = B * (H * Lq * D + Hkv * Lk * (D + Dv))
     terms.update({"dQ, dK, dV float32": grads * acc, "m, log2(l) and their gradients (B, H, Lq)": 4 * stats})
     end = {**terms, "dQ, dK, dV in the inputs' dtype": grads * itemsize} if itemsize < 4 else {}
     return _heaviest({**terms, **blocks}, end)
@@ -207,7 +210,7 @@ def _r(x, multiple):
     return -(-x // multiple) * multiple
 
 
-def flash_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, kernel, masked, threads=1, alibi=0, packs=False):
+def flash_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, kernel, masked, threads=1, alibi=0, packs=False, Hkv=None):
     """SDPA's fused kernels (kernel: "cpu", or on CUDA "flash", "efficient", "cudnn"), from what their
     source allocates (PyTorch's aten/src/ATen/native/, transformers/ and cpu/):
 
@@ -232,7 +235,8 @@ def flash_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, kernel, masked, threads=1,
       bias is also copied in the inputs' dtype, which is not modelled.
     """
     out, lse, low = B * H * Lq * Dv * itemsize, B * H * Lq * 4, itemsize < 4
-    grads = {"dQ, dK, dV": B * H * (Lq * D + Lk * D + Lk * Dv) * itemsize, "dout in the kernel's layout": out}
+    Hkv = Hkv or H  # K and V's heads: the CPU kernel takes grouped-query attention without repeating them
+    grads = {"dQ, dK, dV": B * (H * Lq * D + Hkv * Lk * (D + Dv)) * itemsize, "dout in the kernel's layout": out}
     mask = {"mask as a bias (Lq, Lk)": Lq * Lk * itemsize} if masked else {}
     if alibi:
         mask = {"ALiBi's bias (alibi, Lq, Lk) float32": alibi * Lq * Lk * max(itemsize, 4)}
@@ -242,7 +246,7 @@ def flash_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, kernel, masked, threads=1,
         fwd = {"out (B, H, Lq, Dv)": out, "logsumexp (B, H, Lq) float32": lse, **mask,
                "per-thread blocks (qs, ks) and rows": threads * per_thread}
         if packs and min(Lq, Lk) >= 64:
-            packed = B * H * Lk * (D + Dv) + threads * ks * Dv
+            packed = B * Hkv * Lk * (D + Dv) + threads * ks * Dv
             fwd["K, V packed for AMX, and a (ks, Dv) block per thread"] = packed * itemsize
         bwd = {"out (B, H, Lq, Dv)": out, "logsumexp (B, H, Lq) float32": lse, **mask, **grads,
                "per-thread P and dP blocks": threads * 2 * qs * ks * (4 + low * itemsize)}
@@ -328,28 +332,31 @@ def predicted_terms(point, threads=None):
     not split it, up to 1 MiB more per block, which is not predicted."""
     p, cpu = point, point["device"].startswith("cpu")
     B, H, n, D, mode = p["B"], p["H"], p["n"], p["D"], p["mode"]
+    Hkv = int(p.get("kv_heads") or H)  # grouped-query attention: fewer K/V heads
     alibi = H if str(p.get("alibi")) == "True" else 0  # its slopes: one per head
     itemsize = getattr(torch, p["dtype"]).itemsize
     copies = itemsize < 4 and (cpu or not mt._BMM_OUT_DTYPE)  # 16-bit products through float32 copies
     if p["path"] == "naive":
         terms = naive_memory(B, H, n, n, D, D, itemsize, mode, _masked(p))
     elif p["path"] == "chunked":
-        terms = chunked_memory(B, H, n, n, D, D, itemsize, mode, *chunk_sizes(p), bool(p.get("docs")), copies, alibi)
+        terms = chunked_memory(B, H, n, n, D, D, itemsize, mode, *chunk_sizes(p), bool(p.get("docs")), copies, alibi,
+                               Hkv)
     elif p["path"] == "ring":  # its blocks are always the device's default
         terms = ring_memory(B, H, n, D, D, itemsize, mode, p["world"], *chunk_sizes({**p, "chunk_size": None}), copies)
-    elif p["path"] in ("flash", *SDPA_SERIES) and (kernel := sdpa_kernel(p)):
+    elif p["path"] in ("flash", *SDPA_SERIES) and (kernel := sdpa_kernel(p)) and (cpu or Hkv == H):  # CUDA GQA: not
         terms = flash_memory(B, H, n, n, D, D, itemsize, mode, kernel, _masked(p), threads or torch.get_num_threads(),
-                             alibi, cpu and amx_packs(p["dtype"]))
+                             alibi, cpu and amx_packs(p["dtype"]), Hkv)  # modelled (its kernels' copies unread)
     else:
         return None
     return terms if cpu else {name: _r(size, 512) for name, size in terms.items()}
 
 
 def input_bytes(point):
-    """q, k, v, and dout for fwd+bwd: what a point holds before its call (a ring's rank: its shard)."""
+    """q, k, v, and dout for fwd+bwd: what a point holds before its call (a ring's rank: its shard; k and v have
+    kv_heads heads)."""
     p = point
-    tensors = 4 if p["mode"] == "fwd+bwd" else 3
-    return tensors * p["B"] * p["H"] * (p["n"] // p.get("world", 1)) * p["D"] * getattr(torch, p["dtype"]).itemsize
+    heads = (2 if p["mode"] == "fwd+bwd" else 1) * p["H"] + 2 * int(p.get("kv_heads") or p["H"])
+    return heads * p["B"] * (p["n"] // p.get("world", 1)) * p["D"] * getattr(torch, p["dtype"]).itemsize
 
 
 CHECKED_MIB, BAND = 16.0, (0.85, 1.15)  # the model holds within BAND at every CPU point of CHECKED_MIB or more
@@ -398,7 +405,9 @@ def predict(points, device, dtype, budget, rate=None, causal=False):
             kernel = (f"; kernel {name}" + (" (assumed)" if p["path"] == "flash" and not asked and device == "cuda"
                                              else "") + (", its workspace not modelled" if name == "cudnn" else ""))
         if (terms := predicted_terms(p)) is None:
-            print(f"{line} not modelled: no kernel that the model covers can run it")
+            gqa = int(p.get("kv_heads") or p["H"]) != p["H"]  # only CUDA's kernels, unread, are left out
+            print(f"{line} not modelled: " + ("grouped K/V heads on CUDA, whose kernels' copies it leaves out" if gqa
+                                              else "no kernel that the model covers can run it"))
             continue
         peak, largest, flops = sum(terms.values()), max(terms, key=terms.get), computed_flops(p)
         fits = "-" if not budget else "yes" if peak + input_bytes(p) <= budget * 2**30 else "no"

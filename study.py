@@ -51,9 +51,9 @@ except ImportError:
 LINUX_MEMORY = sys.platform.startswith("linux") and os.path.exists("/proc/self/clear_refs") and resource is not None
 
 COLUMNS = ["device", "torch", "dtype", "series", "path", "kernel", "mode", "causal", "window", "docs", "alibi", "B",
-           "H", "D", "n", "world", "setting", "ms", "ms_min", "ms_max", "comm_ms", "peak_mib", "predicted_mib",
-           "rss_mib", "tflops", "pct_matmul", "pairs", "matmul_tflops", "mem_budget_gib", "status", "noise",
-           "error_random", "error_trained", "uniform_random", "uniform_trained"]
+           "H", "kv_heads", "D", "n", "world", "setting", "ms", "ms_min", "ms_max", "comm_ms", "peak_mib",
+           "predicted_mib", "rss_mib", "tflops", "pct_matmul", "pairs", "matmul_tflops", "mem_budget_gib", "status",
+           "noise", "error_random", "error_trained", "uniform_random", "uniform_trained"]
 MODES = ("fwd", "fwd+bwd")
 
 
@@ -257,7 +257,8 @@ def _attention_call(spec, q, k, v):
     """The call measured for one series: returns (fn, kernel label)."""
     cu_seqlens = torch.tensor(packed_offsets(spec["n"], spec["docs"])) if spec.get("docs") else None
     kw = dict(is_causal=spec["causal"], window_size=spec["window"], cu_seqlens=cu_seqlens,
-              alibi_slopes=mt.alibi_slopes(spec["H"]).to(q.device) if spec.get("alibi") else None)
+              alibi_slopes=mt.alibi_slopes(spec["H"]).to(q.device) if spec.get("alibi") else None,
+              **({"enable_gqa": True} if k.size(1) != q.size(1) else {}))
     path = spec["path"]
     if path in SDPA_SERIES:  # one fused kernel forced, if this GPU and these inputs allow it
         backend = mt._KERNELS[SDPA_SERIES[path]]
@@ -294,8 +295,8 @@ class _Workload:
         B, H, n, D = spec["B"], spec["H"], spec["n"] // spec.get("world", 1), spec["D"]  # ring: this rank's shard
         self.train = spec["mode"] == "fwd+bwd"
         g = torch.Generator(device=self.device).manual_seed(0)
-        self.q, self.k, self.v = (torch.randn(B, H, n, D, device=self.device, dtype=dtype, generator=g)
-                                  .requires_grad_(self.train) for _ in range(3))
+        self.q, self.k, self.v = (torch.randn(B, heads, n, D, device=self.device, dtype=dtype, generator=g)
+                                  .requires_grad_(self.train) for heads in (H, *[spec.get("kv_heads") or H] * 2))
         self.dout = torch.randn(B, H, n, D, device=self.device, dtype=dtype, generator=g)
 
     def step_for(self, series_spec):
@@ -616,6 +617,7 @@ class Series:
     world: int = 1  # processes: a ring series cuts the sequence across `world` of them
     docs: int | None = None  # packed: documents of random lengths side by side (packed_offsets)
     alibi: bool = False  # ALiBi's bias, alibi_slopes of the H heads
+    gqa: int | None = None  # grouped-query attention: k and v with H / gqa heads (at least 1, dividing H)
     setting: int | None = None  # an approximate strategy's stride, rank or ratio (approximate_attention)
     default: bool = True  # in the sweep when --series names none
 
@@ -633,7 +635,8 @@ APPROXIMATE = [("strided", 64), ("strided", 128), ("linear", None), ("lowrank", 
 def default_series(device, causal, window, caps=None, gpus=None):
     """naive, chunked, flash (+ each fused SDPA kernel on CUDA), chunked-causal, chunked-window<w>, flash-window<w>;
     outside the default, <path>-packed8 and -packed32 (8 or 32 documents in every row) for naive, chunked and
-    flash, chunked-alibi and flash-alibi, the APPROXIMATE strategies, and ring2 and ring4 (P processes: gloo on
+    flash, chunked-alibi and flash-alibi, chunked-gqa8 and flash-gqa8 (K and V with H / 8 heads, grouped-query
+    attention), the APPROXIMATE strategies, and ring2 and ring4 (P processes: gloo on
     CPU, NCCL where there are P GPUs or more: `gpus`, default the count here). caps: {series name: longest n}."""
     series = [Series("naive", "naive", causal), Series("chunked", "chunked", causal), Series("flash", "flash", causal)]
     if device.type == "cuda":
@@ -646,6 +649,7 @@ def default_series(device, causal, window, caps=None, gpus=None):
     for docs in (8, 32):  # packed documents; chunked computes about the sum of their squared lengths
         series += [Series(f"{path}-packed{docs}", path, causal, docs=docs, default=False) for path in mt.IMPLS]
     series += [Series(f"{path}-alibi", path, causal, alibi=True, default=False) for path in ("chunked", "flash")]
+    series += [Series(f"{path}-gqa8", path, causal, gqa=8, default=False) for path in ("chunked", "flash")]
     series += [Series(f"{path}{setting or ''}", path, causal, setting=setting, default=False)
                for path, setting in APPROXIMATE if not causal or path in ("strided", "linear")]  # those with is_causal
     gpus = torch.cuda.device_count() if gpus is None else gpus
@@ -1094,6 +1098,13 @@ def report(rows):
                   "it:", ""]
         lines += _table(["series", "mode", "n", "ms", "peak MiB", "time / without", "memory / without"],
                         _beside_plain(curves, alibis))
+    gqas = [key for key, rs in curves.items() if rs[0].get("kv_heads") not in (None, "", rs[0]["H"])]
+    if gqas:
+        lines += ["", "## Grouped-query attention", "", "K and V with kv_heads heads, each serving H / kv_heads "
+                  "query heads (enable_gqa): chunked never repeats them, SDPA's CPU kernel neither. Beside the same "
+                  "path with H K/V heads (memory above the inputs, which are smaller too):", ""]
+        lines += _table(["series", "mode", "n", "K/V heads", "ms", "peak MiB", "time / H heads", "memory / H heads"],
+                        _beside_plain(curves, gqas, lambda r: [r["kv_heads"]]))
     return "\n".join(lines + model_report(rows, curves) + ["", "## Claims checked", ""] + claims(curves, fits))
 
 
@@ -1284,11 +1295,16 @@ def out_dir(args, p, device):
     return os.path.join("runs", device.type + kind)
 
 
+def kv_heads(H, gqa):
+    """The K/V heads of a series: H, or with grouped-query attention the largest divisor of H up to H / gqa."""
+    return H if not gqa else next(d for d in range(max(1, H // gqa), 0, -1) if H % d == 0)
+
+
 def points(args, device_label, dtype, lengths, series, batch, modes, **extra):
     """One dict per (n, series, mode) to measure or predict, n outermost: paths side by side."""
     return [{"device": device_label, "torch": torch.__version__, "dtype": dtype, "series": s.name, "path": s.path,
              "mode": mode, "causal": s.causal, "window": s.window, "docs": s.docs, "alibi": s.alibi, "H": args.heads,
-             "setting": s.setting,
+             "kv_heads": kv_heads(args.heads, s.gqa), "setting": s.setting,
              "D": args.head_dim, "n": n, "B": max(1, args.tokens // n) if args.tokens else batch, "world": s.world,
              "chunk_size": s.chunk_size or args.chunk_size, **extra}
             for n in lengths for s in series for mode in modes if s.max_n is None or n <= s.max_n]

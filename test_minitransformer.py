@@ -2886,15 +2886,16 @@ def test_memory_model_terms_that_no_measurement_here_can_check():
 
 
 def _measured_peak_mib(path, mode, B, H, L, D, Dv, dtype, chunk_size=None, causal=False, window=None, docs=None,
-                       alibi=False):
+                       alibi=False, kv_heads=None):
     """The allocator's peak of one call above its inputs, in this process (study._AllocPeak)."""
     g = torch.Generator().manual_seed(0)
     dt, train = getattr(torch, dtype), mode == "fwd+bwd"
-    q, k = (torch.randn(B, H, L, D, generator=g).to(dt).requires_grad_(train) for _ in range(2))
-    v = torch.randn(B, H, L, Dv, generator=g).to(dt).requires_grad_(train)
+    q, k = (torch.randn(B, heads, L, D, generator=g).to(dt).requires_grad_(train) for heads in (H, kv_heads or H))
+    v = torch.randn(B, kv_heads or H, L, Dv, generator=g).to(dt).requires_grad_(train)
     dout = torch.randn(B, H, L, Dv, generator=g).to(dt)
     kw = dict(is_causal=causal, window_size=window, alibi_slopes=mt.alibi_slopes(H) if alibi else None,
-              cu_seqlens=torch.tensor(cost_model.packed_offsets(L, docs)) if docs else None)
+              cu_seqlens=torch.tensor(cost_model.packed_offsets(L, docs)) if docs else None,
+              enable_gqa=kv_heads is not None)
     call = {"naive": lambda: mt.naive_attention(q, k, v, **kw)[0],
             "chunked": lambda: mt.chunked_attention(q, k, v, chunk_size=chunk_size, **kw),
             "flash": lambda: mt.flash_attention(q, k, v, on_math="raise", **kw)}[path]
@@ -2917,8 +2918,8 @@ def test_memory_model_predicts_the_allocators_peak():
     # the model against the allocator's record of every allocation, within 3% (the study's band is 15%),
     # at shapes where each phase's terms weigh: B, H, D, Dv and the block sizes differ, float32 and
     # bfloat16 (its float32 copies), one and several key blocks, causal, a window (and one that hides
-    # nothing), documents, ALiBi: a point of every kind of series the study declares but the ring's (its own
-    # test) and the approximate strategies'. SDPA's CPU kernel needs D = Dv; its bfloat16 backward keeps some hundred KiB
+    # nothing), documents, ALiBi, grouped K/V heads: a point of every kind of series the study declares but the
+    # ring's (its own test) and the approximate strategies'. SDPA's CPU kernel needs D = Dv; its bfloat16 backward keeps some hundred KiB
     # of scratch the model leaves out, so that point is taken large.
     threads = torch.get_num_threads()
     cases = [("naive", "fwd", 2, 3, 512, 48, 24, "float32", {}),
@@ -2944,7 +2945,12 @@ def test_memory_model_predicts_the_allocators_peak():
              ("chunked", "fwd", 2, 8, 1024, 64, 64, "float32", {"alibi": True, "causal": True}),  # its blocks
              ("chunked", "fwd+bwd", 1, 8, 2048, 64, 64, "float32", {"alibi": True}),
              ("flash", "fwd", 1, 8, 1024, 64, 64, "float32", {"alibi": True, "causal": True}),  # its (H, n, n) bias
-             ("flash", "fwd+bwd", 2, 8, 1024, 64, 64, "float32", {"alibi": True})]
+             ("flash", "fwd+bwd", 2, 8, 1024, 64, 64, "float32", {"alibi": True}),
+             ("chunked", "fwd", 2, 8, 1024, 32, 32, "float32", {"kv_heads": 2}),  # grouped-query attention
+             ("chunked", "fwd+bwd", 1, 16, 1024, 64, 64, "bfloat16", {"kv_heads": 2}),
+             ("chunked", "fwd+bwd", 2, 4, 1000, 48, 48, "float32", {"kv_heads": 1, "chunk_size": (64, 128)}),
+             ("flash", "fwd+bwd", 1, 8, 2048, 64, 64, "float32", {"kv_heads": 1}),
+             ("flash", "fwd", 1, 16, 1024, 64, 64, "bfloat16", {"kv_heads": 2})]
     for path, mode, B, H, L, D, Dv, dtype, kw in cases:
         itemsize = getattr(torch, dtype).itemsize
         point = {"path": path, "n": L, "causal": kw.get("causal", False), "window": kw.get("window"),
@@ -2954,10 +2960,11 @@ def test_memory_model_predicts_the_allocators_peak():
             terms = cost_model.naive_memory(B, H, L, L, D, Dv, itemsize, mode, cost_model._masked(point))
         elif path == "chunked":
             terms = cost_model.chunked_memory(B, H, L, L, D, Dv, itemsize, mode, *kw.get("chunk_size", (256, 256)),
-                                         docs=bool(kw.get("docs")), copies=itemsize < 4, alibi=alibi)
+                                         docs=bool(kw.get("docs")), copies=itemsize < 4, alibi=alibi,
+                                         Hkv=kw.get("kv_heads"))
         else:
             terms = cost_model.flash_memory(B, H, L, L, D, Dv, itemsize, mode, "cpu", cost_model._masked(point),
-                                            threads, alibi, cost_model.amx_packs(dtype))
+                                            threads, alibi, cost_model.amx_packs(dtype), kw.get("kv_heads"))
         measured = _measured_peak_mib(path, mode, B, H, L, D, Dv, dtype, **kw)
         assert 0.97 < measured / (sum(terms.values()) / 2**20) < 1.03, (path, mode, L, dtype, kw, measured, terms)
 
@@ -3314,9 +3321,10 @@ def test_ring_series_run_only_when_named(tmp_path, capsys):
 def named_options(name, sweep_causal):
     """What a study series' name says it measures, read from the name alone: a path and its options (the
     window, documents and ALiBi in the name; causality in it, or in the whole sweep's --causal)."""
-    if m := re.fullmatch(r"(naive|chunked|flash)(-causal)?(?:-window(\d+))?(?:-packed(\d+))?(-alibi)?", name):
+    if m := re.fullmatch(r"(naive|chunked|flash)(-causal)?(?:-window(\d+))?(?:-packed(\d+))?(-alibi)?(?:-gqa(\d+))?",
+                         name):
         return m[1], dict(causal=sweep_causal or bool(m[2]), window=m[3] and int(m[3]), docs=m[4] and int(m[4]),
-                          alibi=bool(m[5]))
+                          alibi=bool(m[5]), gqa=m[6] and int(m[6]))
     if m := re.fullmatch(r"(strided|linear|lowrank|compressed)(\d*)|(ring)(\d)|sdpa-(flash|efficient|cudnn)", name):
         return m[1] or m[3] or "sdpa", dict(causal=sweep_causal, setting=m[2] and int(m[2]), world=m[4] and int(m[4]),
                                            kernel=m[5])
@@ -3332,7 +3340,7 @@ def named_call(path, o, q, k, v):
                                and all(a < b for a, b in zip(offsets, offsets[1:])))
     kw = dict(is_causal=o["causal"], window_size=o.get("window"),
               cu_seqlens=None if offsets is None else torch.tensor(offsets),
-              alibi_slopes=mt.alibi_slopes(H) if o.get("alibi") else None)
+              alibi_slopes=mt.alibi_slopes(H) if o.get("alibi") else None, enable_gqa=bool(o.get("gqa")))
     if path in mt.IMPLS:
         return mt.attention(q, k, v, impl=path, **kw), mt.sdpa_kernel_name(q, k, v, **kw) if path == "flash" else path
     return named_strategy(path, o, q, k, v), o["kernel"] if path == "sdpa" else path
@@ -3365,7 +3373,7 @@ def test_every_series_measures_what_its_name_says(causal, tmp_path, monkeypatch)
     # path, processes, blocks and kernel label (the CSV's, which picks the memory model's kernel), and its output
     # against the path called directly with the options its name gives (1e-12); n = 320 past the window of 256;
     # the forced CUDA kernels run where this CPU has them (sdpa-flash)
-    args, parser = study.parse_args(["--heads", "2", "--head-dim", "16", "--batch", "2", "--series", "chunked@64x128"]
+    args, parser = study.parse_args(["--heads", "8", "--head-dim", "16", "--batch", "2", "--series", "chunked@64x128"]
                                     + ["--causal"] * causal)
     declared = study.default_series(torch.device("cuda"), causal, 256, gpus=4) + study.configure(args, parser)[2]
     assert {s.name for s in study.default_series(torch.device("cpu"), causal, 256)} <= {s.name for s in declared}
@@ -3380,7 +3388,10 @@ def test_every_series_measures_what_its_name_says(causal, tmp_path, monkeypatch)
             path, options = named_options(s.name.partition("@")[0], causal)
             spec = {**study.points(args, "cpu", "float64", [320], [s], 2, ["fwd"])[0], "kernel": None}
             assert spec["path"] == (s.name if path == "sdpa" else path) and spec["world"] == (options.get("world") or 1)
-            q, k, v = make_qkv(2, 2, 320, 320, 16)
+            kv_heads = 8 // options["gqa"] if options.get("gqa") else 8  # K/V heads of 8 query heads
+            assert spec["kv_heads"] == kv_heads
+            q, _, _ = make_qkv(2, 8, 320, 320, 16)
+            _, k, v = make_qkv(2, kv_heads, 320, 320, 16, seed=1)
             torch.manual_seed(0)  # a strategy's random parameters, as named_call draws them
             try:
                 fn, label = study._attention_call(spec, q, k, v)
