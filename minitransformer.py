@@ -50,6 +50,7 @@ References:
 
 import argparse
 import bisect
+import collections
 import contextlib
 import functools
 import gc
@@ -59,7 +60,7 @@ import re
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -88,7 +89,7 @@ def _grouped(q, k, v, attn_mask):
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         raise TypeError(f"attn_mask must be bool, True where a query may attend, got {attn_mask.dtype}")
     keep = None if attn_mask is None else attn_mask.expand(*q.shape[:-1], k.size(-2))
-    if q.dim() > 2:  # heads
+    if q.dim() > 2 and k.dim() > 2 and k.size(-3) not in (1, q.size(-3)):  # grouped heads
         G = q.size(-3) // k.size(-3)
         q, k, v = q.unflatten(-3, (-1, G)), k.unsqueeze(-3), v.unsqueeze(-3)
         keep = None if keep is None else keep.unflatten(-3, (-1, G))
@@ -122,7 +123,8 @@ def standard_attention(q, k, v, attn_mask=None, is_causal=False):
     s = _block_scores(q5, k5, keep, is_causal, slice(0, q.size(-2)), slice(0, k.size(-2)))
     p = torch.softmax(s, dim=-1)  # (B, H_kv, G, Lq, Lk)
     p = p.masked_fill(torch.isneginf(s).all(-1, keepdim=True), 0.0)  # no key visible: 0, not softmax's NaN
-    return (p @ v5).reshape(*q.shape[:-1], v.size(-1))  # (B, H, Lq, Dv)
+    out = p @ v5  # (B, H_kv, G, Lq, Dv) if grouped, else (B, H, Lq, Dv)
+    return out.flatten(-4, -3) if q5.dim() > q.dim() else out
 
 
 class BlockwiseAttention(torch.autograd.Function):
@@ -190,8 +192,7 @@ class BlockwiseAttention(torch.autograd.Function):
 
 
 def blockwise_attention(q, k, v, attn_mask=None, is_causal=False, block_size=64):
-    """standard_attention's result by BlockwiseAttention, in blocks of block_size queries and keys;
-    differentiable."""
+    """standard_attention's result by BlockwiseAttention, in blocks of block_size queries and keys."""
     if block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size}")
     out = BlockwiseAttention.apply(*_grouped(q, k, v, attn_mask), is_causal, block_size)
@@ -215,10 +216,11 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     and, only where given, alibi_slopes= and enable_gqa= (ring_attention.ring_impl, approximate_attention's
     modules). q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv). As the appendix's
     header states: attn_mask bool (True = may attend) or float (added to the scores), broadcast to (B, H, Lq,
-    Lk), or SDPA's CausalBias; is_causal: keys j <= i, top-left as SDPA's (causal_lower_right(Lq, Lk) as the
-    mask aligns causality, window and ALiBi bottom-right, as a KV cache needs); window_size=w: |i - j| <= w;
-    cu_seqlens: CPU int offsets [0, l_1, l_1 + l_2, ..., L] of documents packed in every row, each attending
-    to itself alone; alibi_slopes: alibi_slopes(H); enable_gqa: H_kv heads in k and v, a divisor of H."""
+    Lk), or SDPA's CausalBias; is_causal: keys j <= i, top-left as SDPA's, with a warning where Lq != Lk
+    outside torch.compile (causal_lower_right(Lq, Lk) as the mask aligns causality, window and ALiBi
+    bottom-right, as a KV cache needs); window_size=w: |i - j| <= w; cu_seqlens: CPU int offsets [0, l_1,
+    l_1 + l_2, ..., L] of documents packed in every row, each attending to itself alone; alibi_slopes:
+    alibi_slopes(H); enable_gqa: H_kv heads in k and v, a divisor of H."""
     kw = dict(window_size=window_size, cu_seqlens=cu_seqlens)
     kw |= {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}  # a function without it still runs
     kw |= {"enable_gqa": True} if enable_gqa else {}
@@ -289,11 +291,17 @@ class MultiHeadAttention(nn.Module):
         v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         if positions is not None:
             _check_positions(positions, T)
-        if positions is not None and (self.alibi or cache is not None) or cache is not None and not is_causal:
-            raise ValueError(f"positions= with ALiBi or a cache, or a cache without is_causal=True: ALiBi's "
-                             f"bias is -slope * |i - j| for the tokens' places, and a cache serves a causal "
-                             f"decoder whose tokens continue from its length (got positions="
-                             f"{positions is not None}, is_causal={is_causal}, cache={cache is not None})")
+            if self.alibi or cache is not None:
+                raise ValueError("positions= with ALiBi or a KV cache: ALiBi's bias is -slope * |i - j| for "
+                                 "the tokens' places, and a cache's tokens continue from its length")
+        if need_weights and callable(self.impl):
+            raise ValueError("need_weights computes the weights by naive attention on this module's own "
+                             "q, k, v: not with an attention function as impl (a ring sees a shard only)")
+        if cache is not None and (not is_causal or cu_seqlens is not None
+                                  or isinstance(attn_mask, CausalBias)):
+            raise ValueError(f"a KV cache serves a causal decoder (is_causal=True), its mask bottom-right: "
+                             f"no cu_seqlens or CausalBias; got is_causal={is_causal}, cu_seqlens="
+                             f"{cu_seqlens is not None}, attn_mask={type(attn_mask).__name__}")
         if cache is not None:
             positions = cache.length + torch.arange(T, device=x.device)  # (T,): the cache's next positions
         if self.rope is not None:
@@ -304,16 +312,13 @@ class MultiHeadAttention(nn.Module):
         kw = dict(window_size=self.window_size, cu_seqlens=cu_seqlens, enable_gqa=nkv != nh,
                   alibi_slopes=alibi_slopes(nh, x.device) if self.alibi else None)
         if cache is not None:  # all the keys it holds, seen through one mask: causality, window, ALiBi
-            k, v = cache.append(k, v, positions, cu_seqlens)  # (B, nkv, max_len, hs)
-            given = None if attn_mask is None else _check_mask(attn_mask, q, (B, nh, T, k.size(-2)))
+            given = None if attn_mask is None else _check_mask(attn_mask, q, (B, nh, T, cache.k.size(-2)))
+            k, v = cache.append(k, v, positions)  # (B, nkv, max_len, hs), written after every check
             attn_mask = mask_block(given, slice(0, T), slice(0, k.size(-2)), is_causal=True,
                                    shift=positions[0], window_size=self.window_size, device=x.device,
                                    alibi_slopes=_check_alibi(kw["alibi_slopes"], q))
             is_causal, kw["window_size"], kw["alibi_slopes"] = False, None, None
         if need_weights:  # only the naive path materialises the weights
-            if callable(self.impl):
-                raise ValueError("need_weights computes the weights by naive attention on this module's own "
-                                 "q, k, v: not with an attention function as impl (a ring sees a shard only)")
             y, weights = naive_attention(q, k, v, attn_mask, p, is_causal, **kw)
         else:
             y = attention(q, k, v, attn_mask, p, is_causal, impl=self.impl, chunk_size=self.chunk_size, **kw)
@@ -344,18 +349,24 @@ class MultiHeadAttention(nn.Module):
 class KVCache:
     """A causal decoder's keys and values so far, for one MultiHeadAttention: k, v (B, n_kv_heads, max_len,
     hs) made once, and `length`, the positions written, a () int64 tensor on their device; so every compiled
-    step has one shape, one graph, no host read (a cache grown by concatenation recompiles at every step)."""
+    step has one shape, one graph, no host read (a cache grown by concatenation recompiles at every step).
+    The price: a step attends to all max_len slots (those not written hidden by causality), a prefill of T
+    tokens through one (T, max_len) mask (float with ALiBi): max_len is best the length decoded. reset()
+    starts new sequences; without it the next call continues them."""
 
     def __init__(self, batch_size, n_kv_heads, max_len, head_size, device=None, dtype=None):
         self.k = torch.zeros(batch_size, n_kv_heads, max_len, head_size, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.length = torch.zeros((), dtype=torch.long, device=device)
 
-    def append(self, k, v, positions, cu_seqlens=None):
+    def reset(self):
+        self.length.zero_()  # what the slots hold stays, hidden by causality until written again
+
+    def append(self, k, v, positions):
         """Write k, v (B, n_kv_heads, T, hs) at `positions`, the next T, in place; returns all of k and v."""
-        if cu_seqlens is not None or k.shape[:2] != self.k.shape[:2] or k.dtype != self.k.dtype:
+        if k.shape[:2] != self.k.shape[:2] or k.dtype != self.k.dtype:
             raise ValueError(f"a cache of {tuple(self.k.shape)} {self.k.dtype} takes keys of its (B, H_kv) "
-                             f"and dtype, no documents: got {tuple(k.shape)} {k.dtype}, {cu_seqlens}")
+                             f"and dtype: got {tuple(k.shape)} {k.dtype}")
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):  # its graph would grow each step
             raise ValueError("a KV cache serves inference: decode under torch.no_grad() (or inference_mode)")
         _check_range(positions, 0, self.k.size(-2), "the positions in the KV cache (its max_len)")
@@ -608,8 +619,9 @@ class Encoder(nn.Module):
             _check_positions(positions, idx.size(-1))
             _check_range(positions, 0, self.config.max_len, "positions inside each document or shard")
         caches = [None] * len(self.layers) if cache is None else cache
-        if len(caches) != len(self.layers):
-            raise ValueError(f"cache holds {len(caches)} KVCaches for {len(self.layers)} layers: one a layer")
+        if cache is not None and len({id(c) for c in cache}) != len(cache) or len(caches) != len(self.layers):
+            raise ValueError(f"cache holds {len(caches)} KVCaches, {len({id(c) for c in caches})} of them "
+                             f"distinct, for {len(self.layers)} layers: one of its own a layer (kv_caches())")
         at = positions if cache is None else cache[0].length + torch.arange(idx.size(-1), device=idx.device)
         x = self._embed(idx, at)  # (B, T, d_model): with a cache, at the positions that continue it
         for layer, layer_cache in zip(self.layers, caches):
@@ -657,10 +669,9 @@ PAD = 0  # token id of padding; real tokens are 1 .. vocab_size - 1
 def reverse_batch(B, min_len, max_len, vocab_size, gen):
     """A batch of the reversal task: x = t_1 .. t_L, y = t_L .. t_1, each padded to max_len.
 
-    L varies per sequence, so output i must read input L - 1 - i, a position that depends on
-    the sequence's own length: impossible without attention across positions, and the padding
-    mask matters (a padded key would shift the answer). Returns x, y (B, max_len) and the
-    lengths (B,), made on the generator's device.
+    L varies per sequence, so output i must read input L - 1 - i, a position that depends on the sequence's
+    own length: impossible without attention across positions, and the padding mask matters (a padded key
+    would shift the answer). Returns x, y (B, max_len) and the lengths (B,), made on the generator's device.
     """
     lengths = torch.randint(min_len, max_len + 1, (B,), generator=gen, device=gen.device)
     x = torch.randint(1, vocab_size, (B, max_len), generator=gen, device=gen.device)
@@ -672,13 +683,12 @@ def reverse_batch(B, min_len, max_len, vocab_size, gen):
 
 
 def packed_reverse_batch(T, min_len, max_len, vocab_size, gen, host_gen):
-    """The reversal task packed (--pack), as FlashAttention's varlen API takes a batch: one row x, y (1, T)
-    on gen's device of whole sequences side by side, each reversed in place, and their boundaries
-    cu_seqlens (int32, CPU). Lengths are drawn as reverse_batch draws them, on the host, while they fit;
-    the rest of the row is one more sequence if at least min_len long, else padding, a document of its
-    own that no real token sees. Empty documents fill cu_seqlens up to T // min_len + 2 entries (at most
-    T // min_len sequences and the padding): no shape changes from step to step, so torch.compile does not
-    recompile."""
+    """The reversal task packed (--pack), as FlashAttention's varlen API takes a batch: one row x, y (1, T) on
+    gen's device of whole sequences side by side, each reversed in place, and their boundaries cu_seqlens
+    (int32, CPU). Lengths are drawn as reverse_batch draws them, on the host, while they fit; the rest of the
+    row is one more sequence if at least min_len long, else padding, a document of its own that no real token
+    sees. Empty documents fill cu_seqlens up to T // min_len + 2 entries (at most T // min_len sequences and
+    the padding): no shape changes from step to step, so torch.compile does not recompile."""
     offsets = [0]
     while True:
         length = int(torch.randint(min_len, max_len + 1, (), generator=host_gen))
@@ -1306,14 +1316,13 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 # 16-bit inputs, dropout that the backward regenerates, blocks that windows and documents hide skipped,
 # and one custom operator for torch.compile.
 #
-# As in the core, each block of query rows visits the key blocks (cols) it sees, keeping per query m,
-# l and o, and out = o / l at the end. Beside the per-query statistics a few (cq, ck) blocks of scores
-# are alive at once: two in the forward and four in the backward (P and dP of this step and the last, dS
-# being P updated in place), since a block lives until
-# its name is rebound, so step j's blocks are made while step j - 1's still exist (cost_model.py counts
-# them). Scores are kept in base 2, exp(x) = exp2(x * log2(e)), as FlashAttention does on a GPU, where exp2
-# is the native instruction; here it costs the same as exp, and log2(e) rides in the scale of the
-# product that makes S.
+# As in the core, each block of query rows visits the key blocks (cols) it sees, keeping per query m, l and o,
+# and out = o / l at the end. Beside the per-query statistics a few (cq, ck) blocks of scores are alive at
+# once: two in the forward and four in the backward (P and dP of this step and the last, dS being P updated in
+# place), since a block lives until its name is rebound, so step j's blocks are made while step j - 1's still
+# exist (cost_model.py counts them). Scores are kept in base 2, exp(x) = exp2(x * log2(e)), as FlashAttention
+# does on a GPU, where exp2 is the native instruction; here it costs the same as exp, and log2(e) rides in the
+# scale of the product that makes S.
 
 LOG2E = math.log2(math.e)
 
@@ -1684,23 +1693,15 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
             raise RuntimeError(why)
         warnings.warn(why, stacklevel=2)
     with _no_autocast(q):  # autocast would round a float mask to 16 bits
-        gqa = {"enable_gqa": True} if enable_gqa else {}  # SDPA's own (an argument only where it is needed)
         out = F.scaled_dot_product_attention(call.q, call.k, call.v, call.mask, dropout_p, call.is_causal,
-                                             scale=scale, **gqa)
+                                             scale=scale, enable_gqa=enable_gqa)
     if call.v is not v:  # (B, H, Lq, Dv): without a second half of the head dimension (_switch_off_scores)
         out = out[..., :v.size(-1)]
     return out if call.dead is None else out.masked_fill(call.dead, 0.0)
 
 
-class _SdpaCall(NamedTuple):
-    """What SDPA gets (q, k, v, mask, is_causal), the rows to zero after it (dead), and its kernel."""
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    mask: Optional[torch.Tensor]
-    is_causal: bool
-    dead: Optional[torch.Tensor]
-    kernel: str
+# What SDPA gets (q, k, v, mask, is_causal), the rows to zero after it (dead), and the kernel that runs
+_SdpaCall = collections.namedtuple("_SdpaCall", "q k v mask is_causal dead kernel")
 
 
 def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, device_type=None,
@@ -1813,8 +1814,8 @@ def _chosen_kernel(q, k, v, mask, dropout_p, is_causal, scale):
     if not (q.is_cpu or q.is_cuda) or fused_sdp_choice is None:
         return "unknown"
     try:
-        gqa = {"enable_gqa": True} if k.shape[-3] != q.shape[-3] else {}
-        choice = fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale, **gqa)
+        choice = fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale,
+                                  enable_gqa=k.size(-3) != q.size(-3))
     except RuntimeError as e:  # every enabled kernel refuses these inputs
         raise RuntimeError(f"no enabled SDPA kernel can run these inputs: {str(e).splitlines()[0]}") from e
     if choice not in _KERNEL_NAMES:
@@ -1832,8 +1833,7 @@ def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
 
 
 # -----------------------------------------------------------------------------
-# Input checks, once at each boundary: a clear error that names the problem, kept out of the
-# algorithms' way
+# Input checks, once at each boundary: a clear error that names the problem, kept out of the algorithms' way
 
 
 def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens=None,

@@ -273,6 +273,11 @@ def test_core_takes_any_leading_dimensions(core):
     want = CORE[core](q, k, v, attn_mask=keep)
     torch.testing.assert_close(CORE[core](q[:, 0], k[:, 0], v[:, 0], attn_mask=keep), want[:, 0], atol=1e-15, rtol=0)
     torch.testing.assert_close(CORE[core](q[0, 0], k[0, 0], v[0, 0], attn_mask=keep), want[0, 0], atol=1e-15, rtol=0)
+    # K, V of fewer dimensions or of size 1 broadcast over q's, as in SDPA: (L, D) and (1, 1, L, D) for each row
+    q = torch.randn(2, 3, 37, 16, dtype=torch.float64)
+    want = F.scaled_dot_product_attention(q, k[:1, :1].expand(2, 3, -1, -1), v[:1, :1].expand(2, 3, -1, -1))
+    for kv in (k[0, 0], v[0, 0]), (k[:1, :1], v[:1, :1]), (k[:1, 0], v[:1, 0]):
+        torch.testing.assert_close(CORE[core](q, *kv), want, atol=1e-14, rtol=0)
 
 
 CORE_CHECK = """
@@ -295,21 +300,22 @@ import core
 
 assert "minitransformer" not in sys.modules
 g = torch.Generator().manual_seed(0)
-B, H, Lq, Lk, D = 2, 3, 75, 130, 16  # lengths that the blocks of 64 do not divide
+B, H, Lq, Lk, D = 2, 4, 75, 130, 16  # lengths that the blocks of 64 do not divide
 q, k, v, dout = (torch.randn(B, H, L, D, generator=g, dtype=torch.float64) for L in (Lq, Lk, Lk, Lq))
 pad = (torch.arange(Lk) < torch.tensor([Lk, 40])[:, None])[:, None, None, :]  # (B, 1, 1, Lk): 40 keys in row 1
 tril = torch.ones(Lq, Lk, dtype=torch.bool).tril()
-cases = {"causal": (None, True, tril), "key padding": (pad, False, pad.expand(B, 1, Lq, Lk)),
-         "causal with key padding": (pad, True, pad & tril)}
+cases = {"causal": (None, True, tril, H), "key padding": (pad, False, pad.expand(B, 1, Lq, Lk), H),
+         "causal with key padding": (pad, True, pad & tril, H), "both, 2 K/V heads": (pad, True, pad & tril, 2),
+         "both, 1 K/V head": (pad, True, pad & tril, 1)}
 errors = {}
-for case, (attn_mask, is_causal, keep) in cases.items():
+for case, (attn_mask, is_causal, keep, H_kv) in cases.items():
     def sdpa(q, k, v):  # the oracle: every row here sees a key
         with sdpa_kernel(SDPBackend.MATH):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
     for fn in (core.standard_attention, core.blockwise_attention):
         results = []
         for f, kw in ((fn, dict(attn_mask=attn_mask, is_causal=is_causal)), (sdpa, {})):
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            leaves = [t.clone().requires_grad_() for t in (q, k[:, :H_kv], v[:, :H_kv])]
             out = f(*leaves, **kw)
             results.append([out] + list(torch.autograd.grad(out, leaves, dout)))
         errors[f"{fn.__name__}, {case}"] = [(a - b).abs().max().item() for a, b in zip(*results)]
@@ -338,7 +344,8 @@ print(json.dumps(errors))
 def test_the_core_copied_alone_runs_in_an_empty_folder(tmp_path):
     # as a user takes it (the README's recipe: the lines from "# core begins" to "# core ends", under `import math`
     # and `import torch`), in a fresh interpreter that cannot import minitransformer (-E: no PYTHONPATH), every line
-    # of it run; against SDPA's math kernel in float64, causal, with a key-padding mask and with both: out, dq, dk, dv
+    # of it run; against SDPA's math kernel in float64, causal, with a key-padding mask, with both, and with both on
+    # 2 and 1 K/V heads for 4 (grouped- and multi-query): out, dq, dk, dv
     lines = open(mt.__file__).read().split("\n")
     assert lines.count("# core begins") == lines.count("# core ends") == 1
     begin, end = lines.index("# core begins"), lines.index("# core ends")
@@ -349,7 +356,7 @@ def test_the_core_copied_alone_runs_in_an_empty_folder(tmp_path):
                          timeout=300)
     assert run.returncode == 0, run.stderr
     errors = json.loads(run.stdout)
-    assert len(errors) == 6
+    assert len(errors) == 10
     for case, errs in errors.items():
         assert max(errs) < 1e-12, (case, errs)
 
@@ -824,7 +831,7 @@ def test_flash_asks_about_the_very_inputs_sdpa_gets(monkeypatch):
     chosen, sdpa = mt._chosen_kernel, F.scaled_dot_product_attention
     monkeypatch.setattr(mt, "_chosen_kernel", lambda q, k, v, m, p, c, s: asked.append((m, c)) or chosen(q, k, v, m, p, c, s))
     monkeypatch.setattr(F, "scaled_dot_product_attention",
-                        lambda q, k, v, m, p, c, scale: got.append((m, c)) or sdpa(q, k, v, m, p, c, scale=scale))
+                        lambda q, k, v, m, p, c, **kw: got.append((m, c)) or sdpa(q, k, v, m, p, c, **kw))
     q, k, v = make_qkv(2, 2, 33, 33, 16, dtype=torch.bfloat16)
     for mask_kind in MASKS:
         for mask_dtype in (torch.float64, torch.float32, torch.bfloat16):
@@ -1407,10 +1414,11 @@ def assert_grads_close(ours, ref, tol, what):
 @pytest.mark.parametrize("variant", ["upper_left", "lower_right"])
 def test_causal_bias_means_what_sdpa_means(impl, Lq, Lk, variant):
     # causal_upper_left is is_causal; causal_lower_right(Lq, Lk) lets query i see keys j <= i + Lk - Lq; forward
-    # and dq, dk, dv at 1e-10, Lq = Lk, Lq < Lk (Lq = 1 a decoding step) and, upper-left, Lq > Lk
-    if variant == "lower_right" and Lq > Lk:
-        pytest.skip("lower-right with Lq > Lk leaves rows without keys, which SDPA itself gives NaN")
-    bias = getattr(torch.nn.attention.bias, f"causal_{variant}")(Lq, Lk)
+    # and dq, dk, dv at 1e-10, Lq = Lk, Lq < Lk (Lq = 1 a decoding step) and Lq > Lk (lower-right: its first
+    # Lq - Lk rows see no key, and get 0, as from SDPA's math kernel)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's: lower-right with Lq > Lk "will produce NaNs"; here it gives 0
+        bias = getattr(torch.nn.attention.bias, f"causal_{variant}")(Lq, Lk)
     q, k, v = make_qkv(2, 2, Lq, Lk, 16, Dv=8)
     dout = torch.randn(2, 2, Lq, 8, dtype=torch.float64)
     shift = Lk - Lq if variant == "lower_right" else 0
@@ -1532,9 +1540,9 @@ def test_decoder_inputs_are_refused_by_name():
     mha = mt.MultiHeadAttention(64, 2, alibi=True)
     cache = mt.KVCache(1, 2, 8, 32)
     with torch.no_grad():
-        with pytest.raises(ValueError, match="positions= with ALiBi or a cache"):
+        with pytest.raises(ValueError, match="positions= with ALiBi or a KV cache"):
             mha(torch.randn(1, 3, 64), positions=torch.arange(3))  # ignored before: ALiBi's bias takes none
-        with pytest.raises(ValueError, match="a cache without is_causal=True"):
+        with pytest.raises(ValueError, match="a KV cache serves a causal decoder .*is_causal=False"):
             mha(torch.randn(1, 3, 64), cache=cache)
         with pytest.raises(ValueError, match=r"the positions in the KV cache \(its max_len\) must lie in \[0, 8\)"):
             mha(torch.randn(1, 9, 64), is_causal=True, cache=cache)
@@ -1633,6 +1641,56 @@ def test_decoding_one_token_at_a_time_gives_the_causal_forward(impl, encoding):
         caches = enc.kv_caches(2)
         steps = torch.cat([enc(idx[:, t:t + 1], is_causal=True, cache=caches) for t in range(15)], 1)
     torch.testing.assert_close(steps, whole, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+def test_a_kv_cache_takes_masks_over_its_slots_and_refuses_before_writing(impl):
+    # decoding one token at a time with an attn_mask over the cache's max_len slots (key padding, B = 2, or a float
+    # bias) gives the rows of the whole causal forward with that mask over its T keys, and need_weights the rows of
+    # its weights (zero on slots not yet written); reset() starts again; a refused call writes nothing
+    T, L = 9, 12
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mha = randomized(mt.MultiHeadAttention(32, 4, n_kv_heads=2, impl=impl, chunk_size=4).double())
+    x = torch.randn(2, T, 32, dtype=torch.float64)
+    bias = torch.randn(2, 4, L, L, dtype=torch.float64)
+    cache = mt.KVCache(2, 2, L, 8, dtype=torch.float64)
+    with torch.no_grad():
+        for mask, whole_mask in ((mt.padding_mask(torch.tensor([9, 4]), L), mt.padding_mask(torch.tensor([9, 4]), T)),
+                                 (bias, bias[..., :T, :T])):
+            whole, weights = mha(x, whole_mask, is_causal=True, need_weights=True)
+            for _ in range(2):  # the second time after reset()
+                cache.reset()
+                rows = [mha(x[:, t:t + 1], mask[..., t:t + 1, :] if mask.size(-2) > 1 else mask, is_causal=True,
+                            need_weights=True, cache=cache) for t in range(T)]
+                torch.testing.assert_close(torch.cat([y for y, _ in rows], 1), whole, atol=1e-10, rtol=0)
+                got = torch.cat([w for _, w in rows], 2)  # (B, H, T, L)
+                torch.testing.assert_close(got[..., :T], weights, atol=1e-10, rtol=0)
+                assert (got[..., T:] == 0).all()
+        state = cache.k.clone(), cache.v.clone(), cache.length.clone()
+        with pytest.raises(ValueError, match=r"does not broadcast to \(B, H, Lq, Lk\) = \(2, 4, 1, 12\)"):
+            mha(x[:, :1], torch.ones(2, 1, 1, T, dtype=torch.bool), is_causal=True, cache=cache)  # T keys, not L
+        with pytest.raises(ValueError, match="a KV cache serves a causal decoder .*CausalBias; got .*CausalBias"):
+            mha(x[:, :1], torch.nn.attention.bias.causal_lower_right(1, L), cache=cache)
+        with pytest.raises(ValueError, match="a KV cache serves a causal decoder .*cu_seqlens=True"):
+            mha(x[:, :2], is_causal=True, cu_seqlens=torch.tensor([0, 1, 2]), cache=cache)
+        with pytest.raises(ValueError, match="positions= with ALiBi or a KV cache"):
+            mha(x[:, :1], is_causal=True, positions=torch.arange(1), cache=cache)  # RoPE's would be the cache's
+        mha.impl = lambda *args, **kw: mt.attention(*args, **kw)
+        with pytest.raises(ValueError, match="need_weights computes the weights by naive attention"):
+            mha(x[:, :1], is_causal=True, need_weights=True, cache=cache)
+        for before, after in zip(state, (cache.k, cache.v, cache.length)):
+            assert torch.equal(before, after)
+
+
+def test_the_encoder_refuses_one_cache_for_two_layers():
+    cfg = mt.EncoderConfig(vocab_size=20, max_len=8, d_model=64, n_heads=2, n_layers=2, d_ff=32)
+    enc = mt.Encoder(cfg).eval()
+    cache = enc.kv_caches(1)
+    with torch.no_grad(), pytest.raises(ValueError, match="cache holds 2 KVCaches, 1 of them distinct, for 2 layers"):
+        enc(torch.zeros(1, 1, dtype=torch.long), is_causal=True, cache=[cache[0], cache[0]])
+    with torch.no_grad(), pytest.raises(ValueError, match="cache holds 1 KVCaches, 1 of them distinct, for 2 layers"):
+        enc(torch.zeros(1, 1, dtype=torch.long), is_causal=True, cache=cache[:1])
 
 
 @pytest.mark.parametrize("impl", mt.IMPLS)
