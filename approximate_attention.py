@@ -16,9 +16,10 @@ under its equation and its paper, beside exact attention (minitransformer.py):
 q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv) -> (B, H, Lq, Dv), as the module's paths; the softmax's
 scale is 1/sqrt(D). Only strided_attention is exact, under its pattern; the others compute another function,
 and study.py measures how far from exact attention it lies (beside uniform_attention, which knows nothing of q
-and k), with its memory and time. Written in plain PyTorch, each holds its scores in memory: a fused kernel
-would hold none, as flash does for exact attention. The modules own the
-learned parts and stand in for an attention function (MultiHeadAttention's impl=, or use_in(encoder)).
+and k), with its memory and time. Strided and compressed attention are exact attention over the keys they keep,
+so they run through the chunked path, in memory linear in the length (strided as two calls merged by their
+log-sum-exp); linear attention holds per-head sums; low-rank its (Lq, r) scores. The modules own the learned
+parts and stand in for an attention function (MultiHeadAttention's impl=, or use_in(encoder)).
 """
 
 import math
@@ -38,12 +39,11 @@ def strided_attention(q, k, v, stride, is_causal=False, keys=None):
     (the paper's is causal, its band i - s .. i one key wider). Self-attention; keys: a key-padding mask
     (B, 1, 1, L), True where a key exists. A query whose every key in A_i is hidden gets 0.
 
-    With the sequence cut into n = ceil(L / s) blocks of s positions, query i = b s + t (block b, offset t):
-        local:   the band |i - j| < s lies in blocks b-1, b, b+1: 3s keys j = (b - 1) s + u, masked to it;
-        strided: the keys j = c s + t, one per block c: q and k regrouped by offset t, (s, n), each offset's n
-                 queries against its n keys (c = b left out: the local part has j = i);
-        out_i = softmax over both parts at once of S_ij, times V_j.
-    So B * H * L * (3s + n) scores, not B * H * L^2.
+    Two exact attentions over disjoint sets of keys, each by the chunked path in O(L) memory, merged by their
+    log-sum-exp (merge): the band |i - j| < s, a window of s - 1; and the keys j = i - c s, c != 0, from q, k, v
+    regrouped by offset: with n = ceil(L / s) blocks of s positions, query i = b s + t is row b of offset t's
+    sequence (B s, H, n, D), which attends to the other rows c != b (c = b, j = i, is the band's), c < b with
+    is_causal. So about L (2s + n) of the L^2 scores, and with is_causal about half of them.
     """
     B, H, L, D = q.shape
     if not (type(stride) is int and stride >= 1):
@@ -51,33 +51,40 @@ def strided_attention(q, k, v, stride, is_causal=False, keys=None):
     if k.size(-2) != L:
         raise ValueError(f"strided attention is self-attention: Lq must equal Lk, got {L} and {k.size(-2)}")
     s, n = stride, -(-L // stride)  # n blocks: L / s rounded up
-    q, k, v = (F.pad(t, (0, 0, 0, n * s - L)) for t in (q / math.sqrt(D), k, v))  # (B, H, n*s, D), last block padded
-    u = torch.arange(3 * s, device=q.device)  # key u of a query's window: j = (b - 1) s + u, and i = b s + t
-    t = torch.arange(s, device=q.device)[:, None]
-    c = torch.arange(n, device=q.device)
-    j = torch.arange(-s, (n + 1) * s, device=q.device)  # every key position of the windows, padding included
-    real = (j >= 0) & (j < L)
-    window = lambda x: F.pad(x, (0, 0, s, s)).unfold(2, 3 * s, s)  # (B, H, n, D, 3s), the window last  # noqa: E731
-    local = q.view(B, H, n, s, D) @ window(k)  # (B, H, n, s, 3s)
-    keep = ((s + t - u).abs() < s) & (u <= s + t if is_causal else True)  # (s, 3s): i - j = s + t - u
-    local.masked_fill_(~(keep & real.unfold(0, 3 * s, s)[:, None, :]), float("-inf"))  # (n, s, 3s)
-    by_offset = lambda x: x.view(B, H, n, s, x.size(-1)).transpose(2, 3)  # (B, H, s, n, D): i = b s + t  # noqa: E731
-    strided = by_offset(q) @ by_offset(k).transpose(-2, -1)  # (B, H, s, n, n): query block b, key block c
-    keep = (c[:, None] != c) & (c <= c[:, None] if is_causal else True)  # (n, n) of (b, c): j = i left to local
-    strided.masked_fill_(~(keep & (c * s + t[:, :, None] < L)), float("-inf"))  # (s, n, n)
-    if keys is not None:  # padded keys hidden in both parts: (B, 1, n, 1, 3s) and (B, 1, s, 1, n)
-        keys = F.pad(keys.expand(B, 1, 1, L).reshape(B, 1, L), (0, n * s - L))  # (B, 1, n*s)
-        local.masked_fill_(~F.pad(keys, (s, s)).unfold(-1, 3 * s, s)[:, :, :, None], float("-inf"))
-        strided.masked_fill_(~keys.view(B, 1, n, s).transpose(-2, -1)[:, :, :, None], float("-inf"))
-    strided = strided.permute(0, 1, 3, 2, 4)  # (B, H, n, s, n): back in query order i = b s + t
-    scores = torch.cat([local.flatten(2, 3), strided.flatten(2, 3)], dim=-1)  # (B, H, n*s, 3s+n)
-    p = torch.softmax(scores, dim=-1)  # every query sees itself, unless keys hide all of A_i: then 0, not NaN
-    if keys is not None:
-        p = p.masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)
-    p_local, p_strided = p[..., :3 * s].view(B, H, n, s, 3 * s), p[..., 3 * s:].view(B, H, n, s, n)
-    out = p_local @ window(v).transpose(-2, -1)  # (B, H, n, s, Dv)
-    out = out + (p_strided.transpose(2, 3) @ by_offset(v)).transpose(2, 3)  # (B, H, n, s, Dv)
-    return out.flatten(2, 3)[:, :, :L]  # (B, H, L, Dv)
+    keep = None if keys is None else keys.expand(B, 1, 1, L)
+    cq = min(L, 128)  # one key block per query block: its rows' band, i - s < j < i + s (j <= i with is_causal)
+    band, band_lse = mt.chunked_attention(q, k, v, keep, is_causal=is_causal, window_size=s - 1, return_lse=True,
+                                          chunk_size=(cq, cq + (1 if is_causal else 2) * (s - 1)))
+
+    def blocks(x):  # (B, H, L, ...) -> (B, H, n, s, ...): position b s + t at [b, t], the last block padded
+        return (x if n * s == L else F.pad(x, (0, 0) * (x.dim() - 3) + (0, n * s - L))).unflatten(2, (n, s))
+
+    def by_offset(x):  # (B, H, L, d) -> (B s, H, n, d): position b s + t is row b of offset t, a view
+        return blocks(x).permute(0, 3, 1, 2, 4).flatten(0, 1)
+    visible = ~torch.eye(n, dtype=torch.bool, device=q.device)  # (n, n): row c = b, the key j = i, is the band's
+    if keys is not None or n * s != L:  # keys hidden (padding, and the last block's positions past L): (B s, 1, n, n)
+        real = F.pad(torch.ones(B, L, dtype=torch.bool, device=q.device) if keep is None else keep[:, 0, 0],
+                     (0, n * s - L)).view(B, n, s).transpose(1, 2).reshape(B * s, 1, 1, n)
+        visible = visible & real
+    # B s H sequences of n rows: small blocks keep each block's (B s, H, 32, 32) scores small
+    strided, strided_lse = mt.chunked_attention(by_offset(q), by_offset(k), by_offset(v), visible,
+                                                is_causal=is_causal, return_lse=True, chunk_size=min(n, 32))
+    if strided.requires_grad:  # its gradient made contiguous before its backward, which would copy it anyway,
+        strided.register_hook(torch.Tensor.contiguous)  # so that the non-contiguous one is freed first
+    # merged in the layout (B, H, n, s, .) of blocks, where both are views
+    o2 = strided.unflatten(0, (B, s)).permute(0, 2, 3, 1, 4)  # (B s, H, n, Dv) -> (B, H, n, s, Dv)
+    lse2 = strided_lse.unflatten(0, (B, s)).permute(0, 2, 3, 1)  # (B s, H, n) -> (B, H, n, s)
+    return merge(blocks(band), blocks(band_lse), o2, lse2).flatten(2, 3)[:, :, :L]  # (B, H, L, Dv)
+
+
+def merge(o1, lse1, o2, lse2):
+    """Attention over two disjoint sets of keys from each one's output (B, H, L, Dv) and log-sum-exp (B, H, L):
+
+        out = (e^lse1 o1 + e^lse2 o2) / (e^lse1 + e^lse2) = o1 + (o2 - o1) sigmoid(lse2 - lse1)
+
+    exactly, in float32 or wider; a query that sees no key in either (lse -inf in both) gets 0."""
+    a = torch.sigmoid((lse2 - lse1).nan_to_num(0.0))[..., None]  # both -inf: both outputs 0, so is the result
+    return torch.lerp(o1.to(a.dtype), o2.to(a.dtype), a).to(o1.dtype)
 
 
 def linear_attention(q, k, v, is_causal=False, chunk=64):
@@ -96,21 +103,23 @@ def linear_attention(q, k, v, is_causal=False, chunk=64):
     q, k, v = (t.to(torch.promote_types(t.dtype, torch.float32)) for t in (q, k, v))
     fq, fk = F.elu(q) + 1, F.elu(k) + 1  # (B, H, L, D), positive
     if not is_causal:
-        kv, z = fk.transpose(-2, -1) @ v, fk.sum(-2, keepdim=True)  # (B, H, D, Dv), (B, H, 1, D)
-        den = (fq * z).sum(-1, keepdim=True)
+        kv, z = fk.transpose(-2, -1) @ v, fk.sum(-2)[..., None]  # (B, H, D, Dv), (B, H, D, 1)
+        den = fq @ z  # (B, H, L, 1)
         return ((fq @ kv) / den.masked_fill(den == 0, 1.0)).to(dtype)
     B, H, L, D = q.shape
     if k.size(-2) != L:
         raise ValueError(f"causal linear attention is self-attention: Lq must equal Lk, got {L} and {k.size(-2)}")
     n = -(-L // chunk)
-    pad = lambda t, value=0.0: F.pad(t, (0, 0, 0, n * chunk - L), value=value).unflatten(2, (n, chunk))  # noqa: E731
-    fq, fk, v = pad(fq, 1.0), pad(fk), pad(v)  # (B, H, n, c, D): padded queries see the keys before them, never 0/0
-    before = lambda x: F.pad(x.cumsum(2)[:, :, :-1], (0, 0) * (x.dim() - 3) + (1, 0))  # noqa: E731 (blocks before)
-    kv, z = before(fk.transpose(-2, -1) @ v), before(fk.sum(-2))  # (B, H, n, D, Dv), (B, H, n, D)
-    inside = (fq @ fk.transpose(-2, -1)).tril()  # (B, H, n, c, c): keys j <= i of the query's own block
-    num = fq @ kv + inside @ v  # (B, H, n, c, Dv)
-    den = (fq * z[:, :, :, None]).sum(-1) + inside.sum(-1)  # (B, H, n, c)
-    return (num / den.masked_fill(den == 0, 1.0)[..., None]).flatten(2, 3)[:, :, :L].to(dtype)
+
+    def blocks(t, value=0.0):  # (B, H, L, d) -> (B, H, n, c, d), padded only where c does not divide L
+        return (t if n * chunk == L else F.pad(t, (0, 0, 0, n * chunk - L), value=value)).unflatten(2, (n, chunk))
+    fq, fk, v = blocks(fq, 1.0), blocks(fk), blocks(v)  # padded queries see the keys before them: never 0/0
+    kv, z = fk.transpose(-2, -1) @ v, fk.sum(-2)[..., None]  # each block's sums: (B, H, n, D, Dv), (B, H, n, D, 1)
+    kv, z = kv.cumsum(2).sub_(kv), z.cumsum(2).sub_(z)  # those of the blocks before: an exclusive prefix sum
+    inside = (fq @ fk.transpose(-2, -1)).tril_()  # (B, H, n, c, c): keys j <= i of the query's own block
+    num = (fq @ kv).add_(inside @ v)  # (B, H, n, c, Dv)
+    den = (fq @ z).add_(inside.sum(-1, keepdim=True))  # (B, H, n, c, 1)
+    return (num / den.masked_fill(den == 0, 1.0)).flatten(2, 3)[:, :, :L].to(dtype)
 
 
 def low_rank_attention(q, k, v, E, F_):
@@ -128,35 +137,54 @@ def low_rank_attention(q, k, v, E, F_):
     return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)), dim=-1) @ v
 
 
-def memory_compressed_attention(q, k, v, weight_k, weight_v, keys=None):
+def memory_compressed_attention(q, k, v, weight_k, weight_v, keys=None, is_causal=False):
     """Liu et al.: keys and values compressed along the sequence by a strided convolution, kernel size =
-    stride = ratio (weights (D, D, ratio) and (Dv, Dv, ratio)), then standard attention over the compressed
-    ceil(Lk / ratio) positions (the last window padded with zeros):
+    stride = ratio r (weights (D, D, r) and (Dv, Dv, r)), then exact attention over the compressed n =
+    ceil(Lk / r) positions (the last window padded with zeros), by the chunked path in O(Lq) memory:
 
-        K' = conv1d(K, W_k, stride=ratio),   V' = conv1d(V, W_v, stride=ratio),   softmax(Q K'^T / sqrt(D)) V'
+        K' = conv1d(K, W_k, stride=r),   V' = conv1d(V, W_v, stride=r),   softmax(Q K'^T / sqrt(D)) V'
 
     keys: a key-padding mask (B, 1, 1, Lk), True where a key exists: padded keys and values are zeroed before
     the convolution, a compressed position whose window holds no key is masked, and a query that sees none
-    gets 0. Still quadratic: Lq * ceil(Lk / ratio) scores.
+    gets 0. is_causal (self-attention): query i sees position j once its whole window lies at or before it,
+    j r + r - 1 <= i (Liu et al.'s code masks j r + r - 1 > i): query a r + t of window a sees j <= a if t is
+    its window's last, else j <= a - 1, so the two groups attend apart, the second to K', V' one place later
+    behind a hidden key (its r - 1 offsets as query heads of one K/V head, enable_gqa). Lq n scores.
     """
     B, H, Lk, D = k.shape
     ratio = weight_k.size(-1)
     for name, w, d in (("weight_k", weight_k, D), ("weight_v", weight_v, v.size(-1))):
         if w.dim() != 3 or w.shape != (d, d, ratio):
             raise ValueError(f"{name} must be (D, D, ratio) = ({d}, {d}, {ratio}), got {tuple(w.shape)}")
+    if is_causal and q.size(-2) != Lk:
+        raise ValueError(f"causal memory-compressed attention is self-attention: Lq must equal Lk, got "
+                         f"{q.size(-2)} and {Lk}")
 
-    def compress(x, w):  # (B, H, Lk, d) -> (B, H, ceil(Lk / ratio), d)
-        x = F.pad(x.flatten(0, 1).transpose(1, 2), (0, -Lk % ratio))  # (B*H, d, Lk padded)
-        return F.conv1d(x, w, stride=ratio).transpose(1, 2).unflatten(0, (B, H))
-    if keys is not None:  # padded keys and values out of the windows: (B, 1, Lk, 1)
-        k, v = k.masked_fill(~keys.transpose(-2, -1), 0.0), v.masked_fill(~keys.transpose(-2, -1), 0.0)
+    def windows(x):  # (B, H, Lk, ...) -> (B, H, n, r, ...), the last window padded with zeros
+        return (x if Lk % ratio == 0 else F.pad(x, (0, 0) * (x.dim() - 3) + (0, -Lk % ratio))).unflatten(2, (-1, ratio))
+
+    def compress(x, w):  # the convolution as one product: (B, H, n, r d) @ (r d, d) -> (B, H, n, d)
+        return windows(x).flatten(-2) @ w.permute(2, 1, 0).flatten(0, 1)  # [t d + c, o] = w[o, c, t]
+    seen = None
+    if keys is not None:  # padded keys and values out of the windows
+        keys = keys.transpose(-2, -1)  # (B, 1, Lk, 1)
+        k, v = k.masked_fill(~keys, 0.0), v.masked_fill(~keys, 0.0)
+        seen = windows(keys).any(-2).transpose(-2, -1)  # (B, 1, 1, n): the windows that hold a key
     k, v = compress(k, weight_k), compress(v, weight_v)
-    s = q @ k.transpose(-2, -1) / math.sqrt(D)  # (B, H, Lq, ceil(Lk / ratio))
-    if keys is None:
-        return torch.softmax(s, dim=-1) @ v
-    seen = F.pad(keys, (0, -Lk % ratio)).unflatten(-1, (-1, ratio)).any(-1)  # (B, 1, 1, ceil(Lk / ratio))
-    p = torch.softmax(s.masked_fill(~seen, float("-inf")), dim=-1)
-    return p.masked_fill(~seen.any(-1, keepdim=True), 0.0) @ v  # a query that sees no key: 0, not NaN
+    if not is_causal:
+        return mt.chunked_attention(q, k, v, seen)
+    n = k.size(-2)
+    q = windows(q)  # (B, H, n, r, D): query a r + t at [a, t]
+    last = mt.chunked_attention(q[:, :, :, -1], k, v, seen, is_causal=True)  # t = r - 1: j <= a
+    if ratio == 1:  # every window one query, its last
+        return last
+    later = lambda x: F.pad(x, (0, 0, 1, -1))  # noqa: E731 (B, H, n, d): position j holds j - 1, 0 a zero key
+    hidden = F.pad(torch.ones(1, 1, 1, n, dtype=torch.bool, device=q.device) if seen is None else seen, (1, -1))
+    rest = mt.chunked_attention(q[:, :, :, :-1].transpose(2, 3).flatten(1, 2), later(k), later(v), hidden,
+                                is_causal=True, enable_gqa=True,  # a block stacks its r - 1 heads' rows: ~256
+                                chunk_size=(max(1, 256 // (ratio - 1)), 512))  # (B, H (r - 1), n, Dv): j <= a - 1
+    out = torch.cat([rest.unflatten(1, (H, ratio - 1)).transpose(2, 3), last[:, :, :, None]], dim=3)
+    return out.flatten(2, 3)[:, :, :Lk]  # (B, H, n, r, Dv) -> (B, H, L, Dv)
 
 
 # -----------------------------------------------------------------------------
@@ -240,7 +268,9 @@ class LowRankAttention(_Approximate):
 class CompressedAttention(_Approximate):
     """memory_compressed_attention with learned convolutions, (head_dim, head_dim, ratio) for keys and for
     values, one pair shared by every head, started as averages of `ratio` neighbours; padding as the function's
-    keys=."""
+    keys=, and is_causal."""
+
+    takes_causal = True
 
     def __init__(self, head_dim, ratio):
         super().__init__()
@@ -251,7 +281,7 @@ class CompressedAttention(_Approximate):
 
     def attend(self, q, k, v, keys, is_causal):
         return memory_compressed_attention(q, k, v, self.weight_k.to(q.dtype), self.weight_v.to(q.dtype),
-                                           None if keys is None else keys.transpose(-2, -1))
+                                           None if keys is None else keys.transpose(-2, -1), is_causal)
 
 
 def use_in(encoder, make):
@@ -294,9 +324,11 @@ def trained_inputs(checkpoint, n, device):
     return [t.unflatten(-1, (attn.n_heads, -1)).transpose(1, 2).to(device) for t in qkv]  # (1, H, n, D)
 
 
-# The scores each strategy computes for n queries (linear attention: none), the pairs of its cost
-SCORES = {"strided": lambda n, s: n * (3 * s + -(-n // s)), "linear": lambda n, setting: 0,
-          "lowrank": lambda n, r: n * r, "compressed": lambda n, ratio: n * -(-n // ratio)}
+# The pairs of each strategy's pattern for n queries (about half with causality; linear attention: none), the
+# pairs of its cost
+SCORES = {"strided": lambda n, s, causal: n * (2 * s - 2 + -(-n // s)) // (1 + causal),
+          "linear": lambda n, setting, causal: 0, "lowrank": lambda n, r, causal: n * r,
+          "compressed": lambda n, ratio, causal: n * -(-n // ratio) // (1 + causal)}
 # The strategies by name, each built for sequences of up to max_len tokens and heads of head_dim, with its
 # setting (stride, rank or ratio): what study.py measures and results/train/approximate.py trains.
 STRATEGIES = {"strided": lambda setting, max_len, head_dim: StridedAttention(setting),

@@ -89,7 +89,7 @@ def computed_pairs(point):
     or documents (only as an (n, n) mask), compute every pair and mask the rest."""
     p, n = point, point["n"]
     if p["path"] in approx.STRATEGIES:
-        return approx.SCORES[p["path"]](n, p["setting"])
+        return approx.SCORES[p["path"]](n, p["setting"], p["causal"])
     if p.get("docs") and p["path"] == "chunked":
         cq, ck = chunk_sizes(p)
         offsets = packed_offsets(n, p["docs"])

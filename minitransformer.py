@@ -1324,7 +1324,7 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 # does on a GPU, where exp2 is the native instruction; here it costs the same as exp, and log2(e) rides in the
 # scale of the product that makes S.
 
-LOG2E = math.log2(math.e)
+LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 
 
 def attend_block(q, k, v, rows, o, m, l, opts):
@@ -1394,6 +1394,8 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
     dout_i = dout[:, :, rows]  # (B, H, cq, Dv)
     m, log2_l = m[:, :, rows], log2_l[:, :, rows]  # (B, H, cq, 1)
     delta = (dout_i.to(m.dtype) * out[:, :, rows].to(m.dtype)).sum(-1, keepdim=True)  # rowsum(dO * O)
+    if opts.dlse is not None:  # lse's gradient too: dS = P * (dP - Delta + dlse)
+        delta = delta - opts.dlse[:, :, rows]
     q_i, dout_i = _per_kv_head(q[:, :, rows], k), _per_kv_head(dout_i, k)  # (B, H_kv, G * cq, D or Dv)
     for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size, opts.offsets,
                             opts.shift):
@@ -1433,22 +1435,26 @@ def default_chunk_size(device):
 
 def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
                       window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None,
-                      enable_gqa=False):
+                      enable_gqa=False, return_lse=False):
     """softmax(Q K^T * scale + M) V, the same result as naive_attention, in O(L) memory.
 
     chunk_size: int or (query block, key block); None: default_chunk_size. Blocks that causality (top-left,
     or bottom-right with causal_lower_right), window_size or the documents of cu_seqlens hide are skipped;
     ALiBi's bias is made block by block; with enable_gqa K, V and their gradients keep H_kv heads, never
     repeated. Gradients flow to q, k, v and to a float attn_mask that requires grad; dropout's seed is drawn
-    from the device's generator."""
+    from the device's generator. return_lse: also lse = log sum_j exp(S_ij), (B, H, Lq), float32 or wider,
+    -inf where a query sees no key, differentiable: attention over disjoint sets of keys merges exactly by it,
+    as the ring and strided attention do."""
     q, k, v, attn_mask, is_causal, shift, scale = _attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
     cq, ck = _chunks(default_chunk_size(q.device) if chunk_size is None else chunk_size)
     seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
     alibi_slopes = _check_alibi(alibi_slopes, q)
-    out, _m, _log2_l = _chunked_fwd(q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p, is_causal,
-                                    scale, window_size, cq, ck, shift)  # m and log2(l): for the backward
-    return out
+    out, m, log2_l = _chunked_fwd(q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p, is_causal,
+                                  scale, window_size, cq, ck, shift)  # m and log2(l): for the backward
+    if not return_lse:
+        return out
+    return out, ((m + log2_l) * LN2).squeeze(-1).masked_fill(torch.isposinf(m).squeeze(-1), -math.inf)
 
 
 # The plumbing of the chunked path: the forward and the backward as custom operators, so that
@@ -1471,6 +1477,7 @@ class BlockOptions:
     doc_ids: Optional[torch.Tensor] = None  # packed rows: the document of every position, (L,) (documents())
     offsets: Optional[list] = None  # and their cu_seqlens, read on the host (a CPU tensor: no sync)
     alibi_slopes: Optional[torch.Tensor] = None  # (B or 1, H, 1, 1), in base 2
+    dlse: Optional[torch.Tensor] = None  # the backward's: the gradient of return_lse's lse, (B, H, Lq, 1)
 
 
 def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens=None,
@@ -1518,7 +1525,8 @@ def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  m: torch.Tensor, log2_l: torch.Tensor, attn_mask: Optional[torch.Tensor],
                  seed: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
                  alibi_slopes: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
-                 window_size: Optional[int], cq: int, ck: int, mask_grad: bool, shift: int = 0
+                 window_size: Optional[int], cq: int, ck: int, mask_grad: bool, shift: int = 0,
+                 dlse: Optional[torch.Tensor] = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """chunked_backward as an operator: dq, dk, dv, and a float attn_mask's gradient when mask_grad
     (else an empty tensor)."""
@@ -1527,6 +1535,7 @@ def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     dout, q, k, v = dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous()
     opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens,
                          alibi_slopes, shift)
+    opts.dlse = dlse
     dq, dk, dv = chunked_backward(dout, q, k, v, out, m, log2_l, *grads, dmask, opts, cq)
     return dq, dk, dv, dmask.to(attn_mask.dtype) if mask_grad else q.new_empty(0)
 
@@ -1540,22 +1549,25 @@ def _(q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p, is_causal, 
 
 @_chunked_bwd.register_fake
 def _(dout, q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p, is_causal, scale,
-      window_size, cq, ck, mask_grad, shift=0):
+      window_size, cq, ck, mask_grad, shift=0, dlse=None):
     dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
 
 def _chunked_save(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # a gradient of None: that output is unused (lse without return_lse)
     q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, *options = inputs
     ctx.save_for_backward(q, k, v, *output, attn_mask, seed, cu_seqlens, alibi_slopes)  # out, m, log2 l
     *ctx.options, ctx.shift = options  # dropout_p, is_causal, scale, window_size, cq, ck; shift
 
 
-def _chunked_grad(ctx, dout, _dm, _dlog2_l):
+def _chunked_grad(ctx, dout, _dm, dlog2_l):
     q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens, alibi_slopes = ctx.saved_tensors
     mask_grad = ctx.needs_input_grad[3]  # a float mask that requires grad: a learned bias (T5)
+    dout = torch.zeros_like(out) if dout is None else dout  # a loss of lse alone
+    dlse = None if dlog2_l is None else dlog2_l / LN2  # lse = (m + log2(l)) ln 2: m's gradient is the same
     dq, dk, dv, dmask = _chunked_bwd(dout, q, k, v, out, m, log2_l, attn_mask, seed, cu_seqlens, alibi_slopes,
-                                     *ctx.options, mask_grad, ctx.shift)
+                                     *ctx.options, mask_grad, ctx.shift, dlse)
     return dq, dk, dv, dmask if mask_grad else None, *[None] * 10
 
 

@@ -21,6 +21,7 @@ import contextlib
 import csv
 import ctypes
 import inspect
+import itertools
 import math
 import multiprocessing as mp
 import os
@@ -617,7 +618,7 @@ class Series:
     world: int = 1  # processes: a ring series cuts the sequence across `world` of them
     docs: int | None = None  # packed: documents of random lengths side by side (packed_offsets)
     alibi: bool = False  # ALiBi's bias, alibi_slopes of the H heads
-    gqa: int | None = None  # grouped-query attention: k and v with H / gqa heads (at least 1, dividing H)
+    gqa: int | None = None  # grouped-query attention: k and v with H / gqa heads (at least 1)
     setting: int | None = None  # an approximate strategy's stride, rank or ratio (approximate_attention)
     default: bool = True  # in the sweep when --series names none
 
@@ -651,7 +652,10 @@ def default_series(device, causal, window, caps=None, gpus=None):
     series += [Series(f"{path}-alibi", path, causal, alibi=True, default=False) for path in ("chunked", "flash")]
     series += [Series(f"{path}-gqa8", path, causal, gqa=8, default=False) for path in ("chunked", "flash")]
     series += [Series(f"{path}{setting or ''}", path, causal, setting=setting, default=False)
-               for path, setting in APPROXIMATE if not causal or path in ("strided", "linear")]  # those with is_causal
+               for path, setting in APPROXIMATE if not causal or path != "lowrank"]  # low rank is never causal
+    if not causal:  # their causal forms beside them, as chunked-causal
+        series += [Series(f"{path}{setting or ''}-causal", path, True, setting=setting, default=False)
+                   for path, setting in APPROXIMATE if path != "lowrank"]
     gpus = torch.cuda.device_count() if gpus is None else gpus
     series += [Series(f"ring{P}", "ring", causal, world=P, default=False) for P in (2, 4)
                if device.type == "cpu" or gpus >= P]
@@ -877,7 +881,42 @@ def plot(rows, out_dir, title):
     figure("time", "time (ms; bars: fastest and slowest repeat)", curve("time", "ms"))
     if any(s == "naive" for s, _ in curves):  # else nothing to compare with
         figure("speedup", "naive time / path time", speedup)
+    if trade := tradeoff(curves):  # error against time, the marker's area the square root of peak memory
+        fig, ax = plt.subplots(figsize=(9, 5.4))
+        n, flash, uniform = trade.pop("n"), trade.pop("flash"), trade.pop("uniform")
+        ax.scatter([float(flash["ms"])], [0], s=20 * float(flash["peak_mib"]) ** 0.5, color="k", label="exact (flash)")
+        for (i, (s, (r, e))), (on, face) in itertools.product(enumerate(trade.items()), (("random", None),
+                                                                                        ("trained", "none"))):
+            if e.get(f"error_{on}"):  # filled: random inputs; hollow: a trained layer's
+                ax.scatter([float(r["ms"])], [float(e[f"error_{on}"])], s=20 * float(r["peak_mib"]) ** 0.5,
+                           color=f"C{i}", facecolors=face, label=f"{s}, {on} inputs")
+        for on, ls in (("random", "--"), ("trained", ":")):
+            ax.axhline(uniform.get(on, math.nan), color="gray", ls=ls, lw=1, label=f"uniform attention, {on} inputs")
+        ax.set(xscale="log", xlabel=f"time, fwd+bwd at n = {n} (ms)", ylabel="error ||out - exact|| / ||exact|| (fwd)",
+               title=f"the trade at n = {n}: marker area ~ sqrt(peak memory, fwd+bwd, MiB)")
+        ax.legend(fontsize=7, ncol=2)
+        ax.grid(True, which="both", alpha=0.3)
+        fig.suptitle(f"tradeoff: {title}", fontsize=10)
+        fig.tight_layout()
+        files.append(os.path.join(out_dir, "tradeoff.png"))
+        fig.savefig(files[-1], dpi=110)
+        plt.close(fig)
     return files
+
+
+def tradeoff(curves):
+    """The approximate strategies at the largest n where flash ran fwd+bwd too, causal as flash: {series: (its fwd+bwd
+    row, its fwd row, with the errors)}, "n", flash's row and uniform attention's errors ("uniform"); {} if none."""
+    flash = {int(r["n"]): r for r in curves.get(("flash", "fwd+bwd"), [])}
+    pairs = {(s, int(r["n"])): r for (s, m), rs in curves.items() for r in rs if m == "fwd+bwd" and int(r["n"]) in flash
+             and r["path"] in approx.STRATEGIES and r["causal"] == flash[int(r["n"])]["causal"]}
+    if not pairs:
+        return {}
+    n = max(n for _, n in pairs)
+    trade = {s: (r, _at(curves, s, "fwd", n) or {}) for (s, m), r in pairs.items() if m == n}
+    uniform = {on: float(e[f"uniform_{on}"]) for _, e in trade.values() for on in ("random", "trained")
+               if e.get(f"uniform_{on}")}
+    return {**trade, "n": n, "flash": flash[n], "uniform": uniform}
 
 
 def _time_range(row, base):
@@ -942,7 +981,8 @@ def model_report(rows, curves):
     unmodelled = {}  # "series mode (kernel)": the lengths that no model covers
     for r in (r for rs in curves.values() for r in rs if "predicted_mib" in r and not r["predicted_mib"]):
         unmodelled.setdefault(f"{r['series']} {r['mode']} ({r['kernel']})", []).append(str(r["n"]))
-    said = ["", "Not modelled (a kernel the model does not cover): "
+    strategies = any(r["path"] in approx.STRATEGIES for rs in curves.values() for r in rs)
+    said = ["", f"Not modelled ({'an approximate strategy or ' * strategies}a kernel the model does not cover): "
             + "; ".join(f"{key} at n = {', '.join(ns)}" for key, ns in unmodelled.items()) + "."] if unmodelled else []
     if not rated:
         return said
@@ -1061,23 +1101,32 @@ def report(rows):
                               f"{float(r['comm_ms']) / float(r['ms']):.0%}" if r.get("comm_ms") else "-"])
         lines += _table(["series", "mode", "n", "ms", "per-rank peak MiB", "chunked ms", "chunked peak MiB",
                          "memory / chunked", "time / chunked", "communication"], table)
-    packed = [key for key, rs in curves.items() if rs[0].get("docs")]
-    if packed:
-        lines += ["", "## Packed documents", "",
-                  "Every row of n tokens packs `docs` documents of random lengths (cost_model.packed_offsets, a fixed "
-                  "seed), and a query sees only its own document. Visible: the share of the n^2 pairs inside documents "
-                  "(causal: l^2 / 2 each, as FlashAttention counts); computed: the share the path computes (chunked: "
-                  "every pair of the key blocks it visits, pairs across documents inside them included; naive and "
-                  "flash: every pair, under an (n, n) mask). One document: the same path on one document of length "
-                  "n, so the ratios show what the blocks documents hide save, not packing against padding (that is "
-                  "the training's --pack).", ""]
-        def pairs(r):  # visible and computed
-            offsets = packed_offsets(int(r["n"]), int(r["docs"]))
-            window = int(r["window"]) if r["window"] else None
-            visible = sum(attention_pairs(b - a, r["causal"] == "True", window) for a, b in zip(offsets, offsets[1:]))
-            return [f"{visible / int(r['n']) ** 2:.3f}", f"{float(r['pairs']):.3f}"]
-        lines += _table(["series", "mode", "n", "visible pairs", "computed pairs", "ms", "peak MiB",
-                         "time / one document", "memory / one document"], _beside_plain(curves, packed, pairs))
+    def pairs(r):  # the visible and the computed share of the n^2 pairs, packed
+        offsets = packed_offsets(int(r["n"]), int(r["docs"]))
+        window = int(r["window"]) if r["window"] else None
+        visible = sum(attention_pairs(b - a, r["causal"] == "True", window) for a, b in zip(offsets, offsets[1:]))
+        return [f"{visible / int(r['n']) ** 2:.3f}", f"{float(r['pairs']):.3f}"]
+    families = [  # series beside the plain series of their path: (heading, text, member, columns, cells, plain)
+        ("Packed documents", "Every row of n tokens packs `docs` documents of random lengths "
+         "(cost_model.packed_offsets, a fixed seed), and a query sees only its own document. Visible: the share of "
+         "the n^2 pairs inside documents (causal: l^2 / 2 each, as FlashAttention counts); computed: the share the "
+         "path computes (chunked: every pair of the key blocks it visits, pairs across documents inside them "
+         "included; naive and flash: every pair, under an (n, n) mask). One document: the same path on one "
+         "document of length n, so the ratios show what the blocks documents hide save, not packing against "
+         "padding (that is the training's --pack).",
+         lambda r: r.get("docs"), ["visible pairs", "computed pairs"], pairs, "one document"),
+        ("ALiBi", "ALiBi's bias, -slope * |i - j| in every head (alibi_slopes): chunked makes it block by block, "
+         "flash hands SDPA the whole (H, n, n) bias in float32. Beside the same path without it:",
+         lambda r: str(r.get("alibi")) == "True", [], lambda r: [], "without"),
+        ("Grouped-query attention", "K and V with kv_heads heads, each serving H / kv_heads query heads "
+         "(enable_gqa): chunked never repeats them, SDPA's CPU kernel neither. Beside the same path with H K/V "
+         "heads (memory above the inputs, which are smaller too):",
+         lambda r: r.get("kv_heads") not in (None, "", r["H"]), ["K/V heads"], lambda r: [r["kv_heads"]], "H heads")]
+    for heading, text, member, columns, cells, plain in families:
+        if keys := [key for key, rs in curves.items() if member(rs[0])]:
+            lines += ["", f"## {heading}", "", text, ""] + _table(
+                ["series", "mode", "n", *columns, "ms", "peak MiB", f"time / {plain}", f"memory / {plain}"],
+                _beside_plain(curves, keys, cells))
     strategies = [key for key, rs in curves.items() if rs[0]["path"] in approx.STRATEGIES]
     if strategies:
         lines += ["", "## Approximate attention", "", "approximate_attention's strategies at the largest n each "
@@ -1085,26 +1134,20 @@ def report(rows):
                   "and on those of a layer trained on the reversal task, in brackets uniform attention's (every key "
                   "alike: what knowing nothing of q and k gives).", ""]
         error = lambda e, on: f"{e[f'error_{on}']} ({e.get(f'uniform_{on}') or '-'})" if e.get(f"error_{on}") else "-"
-        lines += _table(["series", "mode", "largest n", "ms", "peak MiB", "error, random", "error, trained",
-                         "memory exponent", "time exponent"], [
-            [s, mode, r["n"], f"{float(r['ms']):.1f}", f"{float(r['peak_mib']):.1f}", error(e, "random"),
+
+        def pays(s, mode, col):  # the smallest n from which the strategy takes less than flash, "-" if none
+            ns = [int(r["n"]) for r in curves[(s, mode)] if (f := _at(curves, "flash", mode, int(r["n"])))
+                  and float(r[col]) < float(f[col])]
+            return min(ns) if ns else "-"
+        lines += _table(["series", "mode", "largest n", "ms", "peak MiB", "time / flash", "memory / flash",
+                         "faster from n", "less memory from n", "error, random", "error, trained", "memory exponent",
+                         "time exponent"], [
+            [s, mode, r["n"], f"{float(r['ms']):.1f}", f"{float(r['peak_mib']):.1f}", _ratio(r, flash, "ms"),
+             _ratio(r, flash, "peak_mib"), pays(s, mode, "ms"), pays(s, mode, "peak_mib"), error(e, "random"),
              error(e, "trained"), _exp(fits[(s, mode)]["memory"]), _exp(fits[(s, mode)]["time"])]
             for s, mode in strategies + [key for key in curves if key[0] in ("flash", "chunked")]
-            for r in [curves[(s, mode)][-1]] for e in [_at(curves, s, "fwd", int(r["n"])) or {}]])
-    alibis = [key for key, rs in curves.items() if str(rs[0].get("alibi")) == "True"]
-    if alibis:
-        lines += ["", "## ALiBi", "", "ALiBi's bias, -slope * |i - j| in every head (alibi_slopes): chunked makes it "
-                  "block by block, flash hands SDPA the whole (H, n, n) bias in float32. Beside the same path without "
-                  "it:", ""]
-        lines += _table(["series", "mode", "n", "ms", "peak MiB", "time / without", "memory / without"],
-                        _beside_plain(curves, alibis))
-    gqas = [key for key, rs in curves.items() if rs[0].get("kv_heads") not in (None, "", rs[0]["H"])]
-    if gqas:
-        lines += ["", "## Grouped-query attention", "", "K and V with kv_heads heads, each serving H / kv_heads "
-                  "query heads (enable_gqa): chunked never repeats them, SDPA's CPU kernel neither. Beside the same "
-                  "path with H K/V heads (memory above the inputs, which are smaller too):", ""]
-        lines += _table(["series", "mode", "n", "K/V heads", "ms", "peak MiB", "time / H heads", "memory / H heads"],
-                        _beside_plain(curves, gqas, lambda r: [r["kv_heads"]]))
+            for r in [curves[(s, mode)][-1]] for e in [_at(curves, s, "fwd", int(r["n"])) or {}]
+            for flash in [_at(curves, "flash", mode, int(r["n"]))]])
     return "\n".join(lines + model_report(rows, curves) + ["", "## Claims checked", ""] + claims(curves, fits))
 
 
@@ -1295,16 +1338,11 @@ def out_dir(args, p, device):
     return os.path.join("runs", device.type + kind)
 
 
-def kv_heads(H, gqa):
-    """The K/V heads of a series: H, or with grouped-query attention the largest divisor of H up to H / gqa."""
-    return H if not gqa else next(d for d in range(max(1, H // gqa), 0, -1) if H % d == 0)
-
-
 def points(args, device_label, dtype, lengths, series, batch, modes, **extra):
     """One dict per (n, series, mode) to measure or predict, n outermost: paths side by side."""
     return [{"device": device_label, "torch": torch.__version__, "dtype": dtype, "series": s.name, "path": s.path,
              "mode": mode, "causal": s.causal, "window": s.window, "docs": s.docs, "alibi": s.alibi, "H": args.heads,
-             "kv_heads": kv_heads(args.heads, s.gqa), "setting": s.setting,
+             "kv_heads": max(1, args.heads // s.gqa) if s.gqa else args.heads, "setting": s.setting,
              "D": args.head_dim, "n": n, "B": max(1, args.tokens // n) if args.tokens else batch, "world": s.world,
              "chunk_size": s.chunk_size or args.chunk_size, **extra}
             for n in lengths for s in series for mode in modes if s.max_n is None or n <= s.max_n]

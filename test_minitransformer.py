@@ -1737,6 +1737,80 @@ def test_chunked_gqa_holds_no_repeated_kv():
     assert repeated - grouped >= 4 * (H - 1) * n * D * 4 / 2**20, (grouped, repeated)
 
 
+# ----------------------------------------------------------------------------- the log-sum-exp, for merging
+# chunked_attention(..., return_lse=True): attention over disjoint sets of keys merges exactly by it (the ring,
+# strided attention); against a dense float64 logsumexp of the scores the test writes out.
+
+def dense_scores(q, k, shift=0, causal=False, window=None, slopes=None, keep=None):
+    """S = Q K^T / sqrt(D) - slope |i - j| in float64 on K repeated per query head, -inf where a query may not see
+    a key (query i at key position i + shift), (B, H, Lq, Lk)."""
+    k = k.repeat_interleave(q.size(1) // k.size(1), 1)
+    i = torch.arange(q.size(-2))[:, None] + shift
+    j = torch.arange(k.size(-2))[None, :]
+    visible = (j <= i) | (not causal)
+    visible = visible & ((i - j).abs() <= window) if window is not None else visible
+    visible = visible if keep is None else visible & keep
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    s = s if slopes is None else s - slopes.double()[None, :, None, None] * (i - j).abs()
+    return s.masked_fill(~visible, -math.inf)
+
+
+@pytest.mark.parametrize("case", ["plain", "causal, padding", "lower-right, window, ALiBi, GQA"])
+def test_chunked_return_lse_is_the_logsumexp_of_the_scores(case):
+    # lse (B, H, Lq) = log sum_j exp(S_ij) over the keys query i sees, -inf where it sees none (a row of padding
+    # alone), beside out; then the gradients of a loss of both, against autograd through the dense formula
+    Lq, Lk, H_kv = (9, 45, 2) if "GQA" in case else (37, 37, 4)
+    q, _, _ = make_qkv(3, 4, Lq, Lk, 8, seed=1)
+    _, k, v = make_qkv(3, H_kv, Lq, Lk, 8, seed=2)
+    slopes = mt.alibi_slopes(4) if "ALiBi" in case else None
+    kw, ref = {}, {}
+    if case == "causal, padding":
+        kw, ref = dict(attn_mask=hard_padding(Lk), is_causal=True), dict(causal=True, keep=hard_padding(Lk))
+    elif "GQA" in case:
+        kw = dict(attn_mask=torch.nn.attention.bias.causal_lower_right(Lq, Lk), window_size=6, alibi_slopes=slopes,
+                  enable_gqa=True)
+        ref = dict(shift=Lk - Lq, causal=True, window=6, slopes=slopes)
+    w = torch.randn(3, 4, Lq, dtype=torch.float64)
+    dout = torch.randn(3, 4, Lq, 8, dtype=torch.float64)
+
+    def loss_of(out, lse):
+        return (out * dout).sum() + (lse.masked_fill(torch.isneginf(lse), 0.0) * w).sum()
+
+    def dense(q, k, v):
+        s = dense_scores(q, k, **ref)
+        dead = torch.isneginf(s).all(-1)
+        lse = torch.logsumexp(s.masked_fill(dead[..., None], 0.0), -1).masked_fill(dead, -math.inf)
+        p = torch.exp(s - lse.masked_fill(dead, 0.0)[..., None])  # 0 on hidden keys, and in a dead row
+        return p.masked_fill(dead[..., None], 0.0) @ v.repeat_interleave(4 // H_kv, 1), lse
+
+    results = []
+    for fn in (dense, lambda q, k, v: mt.chunked_attention(q, k, v, chunk_size=(16, 32), return_lse=True, **kw)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = fn(*leaves)
+        results.append([out, lse] + list(torch.autograd.grad(loss_of(out, lse), leaves)))
+    (out, lse, *grads), (out_ref, lse_ref, *grads_ref) = results[1], results[0]
+    assert lse.shape == (3, 4, Lq) and lse.dtype == torch.float64
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref)) and torch.isneginf(lse).any() == (case != "plain"
+                                                                                                     and "GQA" not in case)
+    for name, x, r in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (out_ref, lse_ref, *grads_ref)):
+        torch.testing.assert_close(x.masked_fill(torch.isneginf(x), 0), r.masked_fill(torch.isneginf(r), 0), atol=1e-10,
+                                   rtol=0, msg=lambda m: f"{case} {name}: {m}")
+    if case == "causal, padding":  # a query that sees no key: out 0, and no gradient through it
+        dead = torch.isneginf(lse)
+        assert (out[dead] == 0).all() and (grads[0][dead] == 0).all()
+
+
+def test_chunked_return_lse_passes_gradcheck():
+    # out and lse both in the loss (lse's gradient enters the backward as dS = P * (dP - Delta + dlse)), with
+    # causality and padding: a row of padding alone, whose lse is -inf, and queries that see one key
+    q, k, v = (t.requires_grad_() for t in make_qkv(3, 1, 12, 12, 4, seed=4))
+
+    def fn(q, k, v):
+        out, lse = mt.chunked_attention(q, k, v, hard_padding(12), is_causal=True, chunk_size=4, return_lse=True)
+        return out, lse.masked_fill(torch.isneginf(lse), 0.0)
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
 # ----------------------------------------------------------------------------- approximate attention
 # Oracles: SDPA's math kernel in float64 with the sparse pattern's dense mask, built here; the other strategies'
 # formulas written out densely in float64 here (a loop over windows for the convolution); forward and gradients.
@@ -1788,8 +1862,6 @@ def test_strided_attention_hides_padded_keys(causal):
 def test_strategies_give_a_query_without_keys_zero_not_nan(name, causal):
     # rows of padding alone, and with causality left padding, leave queries no key: they get 0, and every output and
     # gradient stays finite; the real rows are the strategy's formula with the padded keys left out
-    if name == "compressed" and causal:
-        pytest.skip("memory-compressed attention mixes later keys into a window: not causal")
     L = 23
     q, k, v, dout = make_qkv(3, 2, L, L, 16) + (torch.randn(3, 2, L, 16, dtype=torch.float64),)
     keys = hard_padding(L)
@@ -1814,14 +1886,38 @@ def test_linear_attention_sums_16_bit_inputs_in_float32():
         assert ((got.double() - want).norm() / want.norm()).item() < 2e-3, causal
 
 
-def test_strided_attention_holds_no_quadratic_tensor():
-    # what autograd keeps: at most L * (3s + L/s) scores per (batch, head), a tenth of L^2 here
-    L, s = 1024, 32
-    q, k, v = (t.requires_grad_() for t in make_qkv(1, 1, L, L, 16, dtype=torch.float32))
-    sizes = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
-        approx.strided_attention(q, k, v, s)
-    assert max(sizes) <= L * (3 * s + L // s) < L * L / 7
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("strategy", ["strided", "compressed"])
+def test_strided_and_compressed_attention_keep_no_scores(strategy, causal):
+    # what autograd keeps, with padding: no tensor larger than q, k, v but strided's mask of the offsets, L * L/s
+    # bools (the (L, L/s) mask of the strided keys), and no scores: both run through the chunked path
+    L, s, D = 1024, 32, 16
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 1, L, L, D, dtype=torch.float32))
+    keys, w = mt.padding_mask(torch.tensor([1000]), L), torch.randn(D, D, 4)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        if strategy == "strided":
+            approx.strided_attention(q, k, v, s, causal, keys=keys)
+        else:
+            approx.memory_compressed_attention(q, k, v, w, w, keys=keys, is_causal=causal)
+    assert max(t.numel() for t in saved if t.is_floating_point()) <= L * D
+    assert max([t.numel() for t in saved if t.dtype == torch.bool], default=0) <= L * (L // s)
+
+
+def test_causal_linear_attention_pads_only_where_the_chunk_does_not_divide_the_length():
+    # no padded copies of q, k, v when chunk divides L, forward and backward; padding where it does not
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+    for L, padded in ((256, False), (250, True)):
+        q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, L, L, 8, dtype=torch.float32))
+        with Ops() as ops:
+            ops.seen = set()
+            approx.linear_attention(q, k, v, is_causal=True, chunk=64).sum().backward()
+        assert ("constant_pad_nd" in ops.seen) == padded, (L, sorted(ops.seen))
 
 
 @pytest.mark.parametrize("Lq,Lk,causal,chunk", [(37, 29, False, 64), (37, 37, True, 16), (97, 97, True, 32),
@@ -1857,30 +1953,40 @@ def test_low_rank_attention_is_its_formula():
         torch.testing.assert_close(x, y, atol=1e-10, rtol=1e-10)
 
 
-@pytest.mark.parametrize("Lk,ratio,padded", [(32, 4, False), (29, 4, False), (31, 3, True), (7, 8, False)])
-def test_memory_compressed_attention_is_its_formula(Lk, ratio, padded):
-    q, k, v = make_qkv(2, 3, 37, Lk, 8, Dv=4)
+@pytest.mark.parametrize("Lk,ratio,padded,causal", [(32, 4, False, False), (29, 4, False, False), (31, 3, True, False),
+                                                     (7, 8, False, False), (32, 4, False, True), (29, 4, True, True),
+                                                     (31, 3, True, True), (7, 8, False, True), (13, 1, True, True)])
+def test_memory_compressed_attention_is_its_formula(Lk, ratio, padded, causal):
+    # causal: query i sees compressed position m only when its whole window lies at or before i, m r + r - 1 <= i
+    # (Liu et al.'s code masks m r + r - 1 > i); a query that sees none gets 0
+    Lq = Lk if causal else 37
+    q, k, v = make_qkv(2, 3, Lq, Lk, 8, Dv=4)
     g = torch.Generator().manual_seed(1)
     wk, wv = torch.randn(8, 8, ratio, generator=g, dtype=torch.float64), torch.randn(4, 4, ratio, generator=g, dtype=torch.float64)
     lengths = torch.tensor([Lk, Lk // 2]) if padded else torch.tensor([Lk, Lk])
     keys = mt.padding_mask(lengths, Lk)
-    dout = torch.randn(2, 3, 37, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    dout = torch.randn(2, 3, Lq, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
 
-    def formula(q, k, v, wk, wv):  # window m: K'_m = sum_t W[:, :, t] k_{m*ratio + t}, zeros past the end
+    def formula(q, k, v, wk, wv):  # window m: K'_m = sum_t W[:, :, t] k_{m*ratio + t} over its real keys
         n = -(-Lk // ratio)
-        kc = torch.stack([sum(k[:, :, m * ratio + t] @ wk[:, :, t].T for t in range(ratio) if m * ratio + t < Lk)
-                          for m in range(n)], dim=2)
-        vc = torch.stack([sum(v[:, :, m * ratio + t] @ wv[:, :, t].T for t in range(ratio) if m * ratio + t < Lk)
-                          for m in range(n)], dim=2)
+        kc = torch.stack([sum(k[:, :, m * ratio + t] @ wk[:, :, t].T * keys[:, 0, 0, m * ratio + t, None, None]
+                              for t in range(ratio) if m * ratio + t < Lk) for m in range(n)], dim=2)
+        vc = torch.stack([sum(v[:, :, m * ratio + t] @ wv[:, :, t].T * keys[:, 0, 0, m * ratio + t, None, None]
+                              for t in range(ratio) if m * ratio + t < Lk) for m in range(n)], dim=2)
         scores = q @ kc.transpose(-2, -1) / math.sqrt(8)  # a window of padding alone is masked
-        seen = torch.tensor([[m * ratio < int(length) for m in range(n)] for length in lengths])[:, None, None, :]
-        return scores.masked_fill(~seen, -math.inf).softmax(-1) @ vc
+        seen = torch.tensor([[[[m * ratio < int(length) and (m * ratio + ratio - 1 <= i or not causal)
+                                for m in range(n)] for i in range(Lq)]] for length in lengths])  # (2, 1, Lq, n)
+        none = ~seen.any(-1, keepdim=True)
+        return scores.masked_fill(~seen | none, -math.inf).masked_fill(none, 0).softmax(-1).masked_fill(none, 0) @ vc
     leaves = lambda *t: [x.clone().requires_grad_() for x in t]  # noqa: E731
     a, b = leaves(q, k, v, wk, wv), leaves(q, k, v, wk, wv)
-    want, got = formula(*a), approx.memory_compressed_attention(*b, keys=keys if padded else None)
+    want = formula(*a)
+    got = approx.memory_compressed_attention(*b, keys=keys if padded else None, is_causal=causal)
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
     for x, y in zip(torch.autograd.grad(got, b, dout), torch.autograd.grad(want, a, dout)):
         torch.testing.assert_close(x, y, atol=1e-10, rtol=1e-10)
+    if causal and ratio > 1:
+        assert (got[:, :, :ratio - 1] == 0).all()  # before the first window ends
 
 
 @pytest.mark.parametrize("name", ["strided", "linear", "low_rank", "compressed"])
@@ -1889,7 +1995,7 @@ def test_strategies_compile_to_one_graph_and_read_nothing_on_the_host(name):
     # causality where the strategy takes it), and no tensor value is read on the host
     torch.manual_seed(0)
     module = STRATEGIES[name]().double()
-    causal = name in ("strided", "linear")
+    causal = name != "low_rank"
     q, k, v = (t.requires_grad_() for t in make_qkv(2, 2, 37, 37, 16))
     pad = mt.padding_mask(torch.tensor([37, 20]), 37)
     fn = lambda q, k, v: module(q, k, v, attn_mask=pad, is_causal=causal)  # noqa: E731
@@ -3383,9 +3489,10 @@ def named_options(name, sweep_causal):
                          name):
         return m[1], dict(causal=sweep_causal or bool(m[2]), window=m[3] and int(m[3]), docs=m[4] and int(m[4]),
                           alibi=bool(m[5]), gqa=m[6] and int(m[6]))
-    if m := re.fullmatch(r"(strided|linear|lowrank|compressed)(\d*)|(ring)(\d)|sdpa-(flash|efficient|cudnn)", name):
-        return m[1] or m[3] or "sdpa", dict(causal=sweep_causal, setting=m[2] and int(m[2]), world=m[4] and int(m[4]),
-                                           kernel=m[5])
+    if m := re.fullmatch(r"(strided|linear|lowrank|compressed)(\d*)(-causal)?|(ring)(\d)|sdpa-(flash|efficient|cudnn)",
+                         name):
+        return m[1] or m[4] or "sdpa", dict(causal=sweep_causal or bool(m[3]), setting=m[2] and int(m[2]),
+                                           world=m[5] and int(m[5]), kernel=m[6])
     raise AssertionError(f"a series name that says nothing known: {name}")
 
 
@@ -3417,7 +3524,7 @@ def named_strategy(path, o, q, k, v):
         return approx.low_rank_attention(q, k, v, E[:, :n], F_[:, :n])
     if path == "compressed":
         mean = torch.eye(D, dtype=q.dtype)[:, :, None].expand(D, D, o["setting"]) / o["setting"]  # its start
-        return approx.memory_compressed_attention(q, k, v, mean, mean)
+        return approx.memory_compressed_attention(q, k, v, mean, mean, is_causal=o["causal"])
     if path == "ring":  # one rank of a group of its own computes the whole sequence
         return ring.ring_attention(q, k, v, is_causal=o["causal"])
     with sdpa_kernel(mt._KERNELS[o["kernel"]]):
@@ -3462,7 +3569,7 @@ def test_every_series_measures_what_its_name_says(causal, tmp_path, monkeypatch)
                 warnings.simplefilter("ignore")  # a strategy's own warnings
                 measured, ran = fn(), list(called)
                 direct, named_label = named_call(path, options, q, k, v)
-            assert ran == ([path] if path in mt.IMPLS else []), (s.name, ran)
+            assert ran == [path] if path in mt.IMPLS else "naive" not in ran and "flash" not in ran, (s.name, ran)
             torch.testing.assert_close(measured, direct, atol=1e-12, rtol=0, msg=lambda m: f"{s.name}: {m}")
             assert label == named_label, (s.name, label, named_label)
             if "@" in s.name:  # the blocks the name gives reach the chunked path
