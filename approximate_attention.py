@@ -39,20 +39,24 @@ def strided_attention(q, k, v, stride, is_causal=False, keys=None):
     (the paper's is causal, its band i - s .. i one key wider). Self-attention; keys: a key-padding mask
     (B, 1, 1, L), True where a key exists. A query whose every key in A_i is hidden gets 0.
 
-    Two exact attentions over disjoint sets of keys, each by the chunked path in O(L) memory, merged by their
-    log-sum-exp (merge): the band |i - j| < s, a window of s - 1; and the keys j = i - c s, c != 0, from q, k, v
-    regrouped by offset: with n = ceil(L / s) blocks of s positions, query i = b s + t is row b of offset t's
-    sequence (B s, H, n, D), which attends to the other rows c != b (c = b, j = i, is the band's), c < b with
-    is_causal. So about L (2s + n) of the L^2 scores, and with is_causal about half of them.
+    Two exact attentions over disjoint sets of keys, each by the chunked path, merged by their log-sum-exp
+    (merge): the band |i - j| < s, a window of s - 1 (window_size w: |i - j| <= w); and the keys j = i - c s,
+    c != 0, from q, k, v regrouped by offset. With n = ceil(L / s) blocks of s positions, query i = b s + t is
+    row b of offset t's sequence (B s, H, n, D); at L = 12, s = 4 the offsets' sequences are positions 0 4 8,
+    1 5 9, 2 6 10 and 3 7 11, and the strided keys are plain attention inside each, to the other rows c != b
+    (c = b, j = i, is the band's), c < b with is_causal. So about L (2s + n) of the L^2 scores, and with
+    is_causal about half of them. Memory O(B H L D) and, with padding or where s does not divide L, a
+    (B s, 1, n, n) bool mask of the keys each offset's rows see: L^2 / s bools per sequence.
     """
     B, H, L, D = q.shape
     if not (type(stride) is int and stride >= 1):
         raise ValueError(f"stride must be a positive int, got {stride!r}")
     if k.size(-2) != L:
         raise ValueError(f"strided attention is self-attention: Lq must equal Lk, got {L} and {k.size(-2)}")
-    s, n = stride, -(-L // stride)  # n blocks: L / s rounded up
+    s = min(stride, L)  # a stride past L: the band holds every key, as it would
+    n = -(-L // s)  # n blocks: L / s rounded up
     keep = None if keys is None else keys.expand(B, 1, 1, L)
-    cq = min(L, 128)  # one key block per query block: its rows' band, i - s < j < i + s (j <= i with is_causal)
+    cq = min(L, 128)  # each block of cq query rows sees exactly one key block: keys i - s < j < i + s of its rows
     band, band_lse = mt.chunked_attention(q, k, v, keep, is_causal=is_causal, window_size=s - 1, return_lse=True,
                                           chunk_size=(cq, cq + (1 if is_causal else 2) * (s - 1)))
 
@@ -69,8 +73,8 @@ def strided_attention(q, k, v, stride, is_causal=False, keys=None):
     # B s H sequences of n rows: small blocks keep each block's (B s, H, 32, 32) scores small
     strided, strided_lse = mt.chunked_attention(by_offset(q), by_offset(k), by_offset(v), visible,
                                                 is_causal=is_causal, return_lse=True, chunk_size=min(n, 32))
-    if strided.requires_grad:  # its gradient made contiguous before its backward, which would copy it anyway,
-        strided.register_hook(torch.Tensor.contiguous)  # so that the non-contiguous one is freed first
+    if strided.requires_grad:  # for the peak memory only (the same result without it): the backward copies its
+        strided.register_hook(torch.Tensor.contiguous)  # gradient contiguous; copied here, the strided one is freed
     # merged in the layout (B, H, n, s, .) of blocks, where both are views
     o2 = strided.unflatten(0, (B, s)).permute(0, 2, 3, 1, 4)  # (B s, H, n, Dv) -> (B, H, n, s, Dv)
     lse2 = strided_lse.unflatten(0, (B, s)).permute(0, 2, 3, 1)  # (B s, H, n) -> (B, H, n, s)
@@ -82,8 +86,10 @@ def merge(o1, lse1, o2, lse2):
 
         out = (e^lse1 o1 + e^lse2 o2) / (e^lse1 + e^lse2) = o1 + (o2 - o1) sigmoid(lse2 - lse1)
 
-    exactly, in float32 or wider; a query that sees no key in either (lse -inf in both) gets 0."""
-    a = torch.sigmoid((lse2 - lse1).nan_to_num(0.0))[..., None]  # both -inf: both outputs 0, so is the result
+    exactly, in float32 or wider: lse = log sum_j e^(s_j) is the softmax's denominator, so e^lse1 o1 is the sum
+    of e^(s_j) v_j over the first set, and dividing by e^lse1 + e^lse2 gives the softmax over both. A query that
+    sees no key in either (lse -inf in both) gets 0."""
+    a = torch.sigmoid((lse2 - lse1).nan_to_num(0.0))[..., None]  # -inf - (-inf) is NaN: both outputs 0, so is out
     return torch.lerp(o1.to(a.dtype), o2.to(a.dtype), a).to(o1.dtype)
 
 
@@ -148,8 +154,10 @@ def memory_compressed_attention(q, k, v, weight_k, weight_v, keys=None, is_causa
     the convolution, a compressed position whose window holds no key is masked, and a query that sees none
     gets 0. is_causal (self-attention): query i sees position j once its whole window lies at or before it,
     j r + r - 1 <= i (Liu et al.'s code masks j r + r - 1 > i): query a r + t of window a sees j <= a if t is
-    its window's last, else j <= a - 1, so the two groups attend apart, the second to K', V' one place later
-    behind a hidden key (its r - 1 offsets as query heads of one K/V head, enable_gqa). Lq n scores.
+    its window's last, else j <= a - 1 (at r = 4: queries 0-2 see nothing, 3-6 window 0, 7 windows 0 and 1). So
+    two causal calls: the windows' last queries against K', V'; the other r - 1 queries of each window against
+    K', V' shifted down one row (row j holds j - 1, row 0 a hidden zero key), where causality gives j <= a - 1,
+    those r - 1 as query heads sharing one K/V head (enable_gqa), so that K', V' are not copied. Lq n scores.
     """
     B, H, Lk, D = k.shape
     ratio = weight_k.size(-1)
@@ -178,9 +186,10 @@ def memory_compressed_attention(q, k, v, weight_k, weight_v, keys=None, is_causa
     last = mt.chunked_attention(q[:, :, :, -1], k, v, seen, is_causal=True)  # t = r - 1: j <= a
     if ratio == 1:  # every window one query, its last
         return last
-    later = lambda x: F.pad(x, (0, 0, 1, -1))  # noqa: E731 (B, H, n, d): position j holds j - 1, 0 a zero key
-    hidden = F.pad(torch.ones(1, 1, 1, n, dtype=torch.bool, device=q.device) if seen is None else seen, (1, -1))
-    rest = mt.chunked_attention(q[:, :, :, :-1].transpose(2, 3).flatten(1, 2), later(k), later(v), hidden,
+    later = lambda x: F.pad(x, (0, 0, 1, -1))  # noqa: E731 (B, H, n, d) shifted down a row: a zero row on top,
+    seen_later = F.pad(  # the last cut; the same for the mask, False for that row
+        torch.ones(1, 1, 1, n, dtype=torch.bool, device=q.device) if seen is None else seen, (1, -1))
+    rest = mt.chunked_attention(q[:, :, :, :-1].transpose(2, 3).flatten(1, 2), later(k), later(v), seen_later,
                                 is_causal=True, enable_gqa=True,  # a block stacks its r - 1 heads' rows: ~256
                                 chunk_size=(max(1, 256 // (ratio - 1)), 512))  # (B, H (r - 1), n, Dv): j <= a - 1
     out = torch.cat([rest.unflatten(1, (H, ratio - 1)).transpose(2, 3), last[:, :, :, None]], dim=3)
@@ -324,8 +333,8 @@ def trained_inputs(checkpoint, n, device):
     return [t.unflatten(-1, (attn.n_heads, -1)).transpose(1, 2).to(device) for t in qkv]  # (1, H, n, D)
 
 
-# The pairs of each strategy's pattern for n queries (about half with causality; linear attention: none), the
-# pairs of its cost
+# The scores each strategy computes for n queries (about half with causality; linear attention computes none):
+# what the study's TFLOP/s counts
 SCORES = {"strided": lambda n, s, causal: n * (2 * s - 2 + -(-n // s)) // (1 + causal),
           "linear": lambda n, setting, causal: 0, "lowrank": lambda n, r, causal: n * r,
           "compressed": lambda n, ratio, causal: n * -(-n // ratio) // (1 + causal)}

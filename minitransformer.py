@@ -1444,7 +1444,7 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     repeated. Gradients flow to q, k, v and to a float attn_mask that requires grad; dropout's seed is drawn
     from the device's generator. return_lse: also lse = log sum_j exp(S_ij), (B, H, Lq), float32 or wider,
     -inf where a query sees no key, differentiable: attention over disjoint sets of keys merges exactly by it,
-    as the ring and strided attention do."""
+    as strided attention does (the ring's steps merge by the same rule, inside the block update)."""
     q, k, v, attn_mask, is_causal, shift, scale = _attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
     cq, ck = _chunks(default_chunk_size(q.device) if chunk_size is None else chunk_size)

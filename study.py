@@ -618,7 +618,7 @@ class Series:
     world: int = 1  # processes: a ring series cuts the sequence across `world` of them
     docs: int | None = None  # packed: documents of random lengths side by side (packed_offsets)
     alibi: bool = False  # ALiBi's bias, alibi_slopes of the H heads
-    gqa: int | None = None  # grouped-query attention: k and v with H / gqa heads (at least 1)
+    gqa: int | None = None  # grouped-query attention: k and v with the largest divisor of H up to H / gqa heads
     setting: int | None = None  # an approximate strategy's stride, rank or ratio (approximate_attention)
     default: bool = True  # in the sweep when --series names none
 
@@ -1132,12 +1132,13 @@ def report(rows):
         lines += ["", "## Approximate attention", "", "approximate_attention's strategies at the largest n each "
                   "reached, beside exact attention; error: ||out - exact|| / ||exact|| on the point's random q, k, v "
                   "and on those of a layer trained on the reversal task, in brackets uniform attention's (every key "
-                  "alike: what knowing nothing of q and k gives).", ""]
+                  "alike: what knowing nothing of q and k gives). Flash here is not causal, so a causal series gets no "
+                  "ratio to it.", ""]
         error = lambda e, on: f"{e[f'error_{on}']} ({e.get(f'uniform_{on}') or '-'})" if e.get(f"error_{on}") else "-"
 
         def pays(s, mode, col):  # the smallest n from which the strategy takes less than flash, "-" if none
             ns = [int(r["n"]) for r in curves[(s, mode)] if (f := _at(curves, "flash", mode, int(r["n"])))
-                  and float(r[col]) < float(f[col])]
+                  and str(r["causal"]) == str(f["causal"]) and float(r[col]) < float(f[col])]
             return min(ns) if ns else "-"
         lines += _table(["series", "mode", "largest n", "ms", "peak MiB", "time / flash", "memory / flash",
                          "faster from n", "less memory from n", "error, random", "error, trained", "memory exponent",
@@ -1147,7 +1148,7 @@ def report(rows):
              error(e, "trained"), _exp(fits[(s, mode)]["memory"]), _exp(fits[(s, mode)]["time"])]
             for s, mode in strategies + [key for key in curves if key[0] in ("flash", "chunked")]
             for r in [curves[(s, mode)][-1]] for e in [_at(curves, s, "fwd", int(r["n"])) or {}]
-            for flash in [_at(curves, "flash", mode, int(r["n"]))]])
+            for flash in [_at(curves, "flash", mode, int(r["n"])) if str(r["causal"]) != "True" else None]])
     return "\n".join(lines + model_report(rows, curves) + ["", "## Claims checked", ""] + claims(curves, fits))
 
 
@@ -1342,9 +1343,9 @@ def points(args, device_label, dtype, lengths, series, batch, modes, **extra):
     """One dict per (n, series, mode) to measure or predict, n outermost: paths side by side."""
     return [{"device": device_label, "torch": torch.__version__, "dtype": dtype, "series": s.name, "path": s.path,
              "mode": mode, "causal": s.causal, "window": s.window, "docs": s.docs, "alibi": s.alibi, "H": args.heads,
-             "kv_heads": max(1, args.heads // s.gqa) if s.gqa else args.heads, "setting": s.setting,
+             "kv_heads": next(d for d in range(max(1, args.heads // (s.gqa or 1)), 0, -1) if args.heads % d == 0),
              "D": args.head_dim, "n": n, "B": max(1, args.tokens // n) if args.tokens else batch, "world": s.world,
-             "chunk_size": s.chunk_size or args.chunk_size, **extra}
+             "setting": s.setting, "chunk_size": s.chunk_size or args.chunk_size, **extra}
             for n in lengths for s in series for mode in modes if s.max_n is None or n <= s.max_n]
 
 

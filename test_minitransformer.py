@@ -1809,6 +1809,7 @@ def test_chunked_return_lse_passes_gradcheck():
         out, lse = mt.chunked_attention(q, k, v, hard_padding(12), is_causal=True, chunk_size=4, return_lse=True)
         return out, lse.masked_fill(torch.isneginf(lse), 0.0)
     assert torch.autograd.gradcheck(fn, (q, k, v))
+    assert torch.autograd.gradcheck(lambda q, k, v: fn(q, k, v)[1], (q, k, v))  # a loss of lse alone: dout None
 
 
 # ----------------------------------------------------------------------------- approximate attention
@@ -1831,7 +1832,7 @@ def strided_pattern(L, stride, causal):
     return keep
 
 
-@pytest.mark.parametrize("L,stride", [(1, 1), (37, 5), (64, 8), (50, 1), (20, 32), (97, 10)])
+@pytest.mark.parametrize("L,stride", [(1, 1), (37, 5), (64, 8), (50, 1), (20, 32), (97, 10), (300, 7)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_strided_attention_is_exact_under_its_pattern(L, stride, causal):
     q, k, v = make_qkv(2, 3, L, L, 8, Dv=4)
@@ -3529,6 +3530,15 @@ def named_strategy(path, o, q, k, v):
         return ring.ring_attention(q, k, v, is_causal=o["causal"])
     with sdpa_kernel(mt._KERNELS[o["kernel"]]):
         return F.scaled_dot_product_attention(q, k, v, is_causal=o["causal"])
+
+
+def test_a_grouped_series_gets_k_v_heads_that_divide_h():
+    # gqa8: the largest divisor of H up to H / 8, at least 1 (28 heads: 2, not 3)
+    series = {s.name: s for s in study.default_series(torch.device("cpu"), False, 256)}
+    for H, want in ((8, 1), (16, 2), (28, 2), (12, 1)):
+        args, _ = study.parse_args(["--heads", str(H)])
+        points = study.points(args, "cpu", "float32", [64], [series["chunked-gqa8"], series["chunked"]], 1, ["fwd"])
+        assert [p["kv_heads"] for p in points] == [want, H]
 
 
 @pytest.mark.parametrize("causal", [False, True])
