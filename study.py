@@ -21,7 +21,6 @@ import contextlib
 import csv
 import ctypes
 import inspect
-import itertools
 import math
 import multiprocessing as mp
 import os
@@ -841,6 +840,9 @@ def plot(rows, out_dir, title):
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=8)
         axes[0].set_ylabel(ylabel)
+        save(fig, name)
+
+    def save(fig, name):
         fig.suptitle(f"{name}: {title}", fontsize=10)
         fig.tight_layout()
         files.append(os.path.join(out_dir, f"{name}.png"))
@@ -885,38 +887,33 @@ def plot(rows, out_dir, title):
         fig, ax = plt.subplots(figsize=(9, 5.4))
         n, flash, uniform = trade.pop("n"), trade.pop("flash"), trade.pop("uniform")
         ax.scatter([float(flash["ms"])], [0], s=20 * float(flash["peak_mib"]) ** 0.5, color="k", label="exact (flash)")
-        for (i, (s, (r, e))), (on, face) in itertools.product(enumerate(trade.items()), (("random", None),
-                                                                                        ("trained", "none"))):
-            if e.get(f"error_{on}"):  # filled: random inputs; hollow: a trained layer's
-                ax.scatter([float(r["ms"])], [float(e[f"error_{on}"])], s=20 * float(r["peak_mib"]) ** 0.5,
-                           color=f"C{i}", facecolors=face, label=f"{s}, {on} inputs")
+        for i, (s, (r, e)) in enumerate(trade.items()):
+            for on, face in (("random", None), ("trained", "none")):  # filled: random inputs; hollow: a trained layer's
+                if e.get(f"error_{on}"):
+                    ax.scatter([float(r["ms"])], [float(e[f"error_{on}"])], s=20 * float(r["peak_mib"]) ** 0.5,
+                               color=f"C{i}", facecolors=face, label=f"{s}, {on} inputs")
         for on, ls in (("random", "--"), ("trained", ":")):
             ax.axhline(uniform.get(on, math.nan), color="gray", ls=ls, lw=1, label=f"uniform attention, {on} inputs")
         ax.set(xscale="log", xlabel=f"time, fwd+bwd at n = {n} (ms)", ylabel="error ||out - exact|| / ||exact|| (fwd)",
                title=f"the trade at n = {n}: marker area ~ sqrt(peak memory, fwd+bwd, MiB)")
         ax.legend(fontsize=7, ncol=2)
         ax.grid(True, which="both", alpha=0.3)
-        fig.suptitle(f"tradeoff: {title}", fontsize=10)
-        fig.tight_layout()
-        files.append(os.path.join(out_dir, "tradeoff.png"))
-        fig.savefig(files[-1], dpi=110)
-        plt.close(fig)
+        save(fig, "tradeoff")
     return files
 
 
 def tradeoff(curves):
     """The approximate strategies at the largest n where flash ran fwd+bwd too, causal as flash: {series: (its fwd+bwd
     row, its fwd row, with the errors)}, "n", flash's row and uniform attention's errors ("uniform"); {} if none."""
-    flash = {int(r["n"]): r for r in curves.get(("flash", "fwd+bwd"), [])}
-    pairs = {(s, int(r["n"])): r for (s, m), rs in curves.items() for r in rs if m == "fwd+bwd" and int(r["n"]) in flash
-             and r["path"] in approx.STRATEGIES and r["causal"] == flash[int(r["n"])]["causal"]}
+    pairs = {(s, int(r["n"])): r for (s, m), rs in curves.items() for r in rs if m == "fwd+bwd"
+             and r["path"] in approx.STRATEGIES and _flash_beside(curves, r)}
     if not pairs:
         return {}
     n = max(n for _, n in pairs)
     trade = {s: (r, _at(curves, s, "fwd", n) or {}) for (s, m), r in pairs.items() if m == n}
     uniform = {on: float(e[f"uniform_{on}"]) for _, e in trade.values() for on in ("random", "trained")
                if e.get(f"uniform_{on}")}
-    return {**trade, "n": n, "flash": flash[n], "uniform": uniform}
+    return {**trade, "n": n, "flash": _at(curves, "flash", "fwd+bwd", n), "uniform": uniform}
 
 
 def _time_range(row, base):
@@ -937,6 +934,11 @@ def _ratio(row, base, col):
 
 def _at(curves, series, mode, n):
     return next((r for r in curves.get((series, mode), []) if int(r["n"]) == n), None)
+
+
+def _flash_beside(curves, r):  # flash's row at r's n and mode where its causality is r's: the attention r approximates
+    f = _at(curves, "flash", r["mode"], int(r["n"]))
+    return f if f and str(f["causal"]) == str(r["causal"]) else None
 
 
 def _beside_plain(curves, keys, extra=lambda r: []):
@@ -1132,14 +1134,11 @@ def report(rows):
         lines += ["", "## Approximate attention", "", "approximate_attention's strategies at the largest n each "
                   "reached, beside exact attention; error: ||out - exact|| / ||exact|| on the point's random q, k, v "
                   "and on those of a layer trained on the reversal task, in brackets uniform attention's (every key "
-                  "alike: what knowing nothing of q and k gives). Flash here is not causal, so a causal series gets no "
+                  "alike: what knowing nothing of q and k gives). A series whose causality is not flash's gets no "
                   "ratio to it.", ""]
         error = lambda e, on: f"{e[f'error_{on}']} ({e.get(f'uniform_{on}') or '-'})" if e.get(f"error_{on}") else "-"
-
-        def pays(s, mode, col):  # the smallest n from which the strategy takes less than flash, "-" if none
-            ns = [int(r["n"]) for r in curves[(s, mode)] if (f := _at(curves, "flash", mode, int(r["n"])))
-                  and str(r["causal"]) == str(f["causal"]) and float(r[col]) < float(f[col])]
-            return min(ns) if ns else "-"
+        pays = lambda s, mode, col: min((int(r["n"]) for r in curves[(s, mode)] if (f := _flash_beside(curves, r))
+                                         and float(r[col]) < float(f[col])), default="-")  # the first n it beats flash
         lines += _table(["series", "mode", "largest n", "ms", "peak MiB", "time / flash", "memory / flash",
                          "faster from n", "less memory from n", "error, random", "error, trained", "memory exponent",
                          "time exponent"], [
@@ -1148,7 +1147,7 @@ def report(rows):
              error(e, "trained"), _exp(fits[(s, mode)]["memory"]), _exp(fits[(s, mode)]["time"])]
             for s, mode in strategies + [key for key in curves if key[0] in ("flash", "chunked")]
             for r in [curves[(s, mode)][-1]] for e in [_at(curves, s, "fwd", int(r["n"])) or {}]
-            for flash in [_at(curves, "flash", mode, int(r["n"])) if str(r["causal"]) != "True" else None]])
+            for flash in [_flash_beside(curves, r)]])
     return "\n".join(lines + model_report(rows, curves) + ["", "## Claims checked", ""] + claims(curves, fits))
 
 

@@ -3532,6 +3532,16 @@ def named_strategy(path, o, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=o["causal"])
 
 
+def test_a_strategy_is_set_beside_flash_only_of_its_own_causality():
+    # the approximate table's ratios, its "faster from n" and the trade-off picture compare a strategy with flash
+    # only where both are causal or neither is (CSV rows: strings)
+    row = lambda series, causal: {"series": series, "mode": "fwd+bwd", "n": "1024", "causal": causal}  # noqa: E731
+    curves = {("flash", "fwd+bwd"): [row("flash", "False")]}
+    assert study._flash_beside(curves, row("strided128", "False")) is curves[("flash", "fwd+bwd")][0]
+    assert study._flash_beside(curves, row("strided128-causal", "True")) is None
+    assert study._flash_beside(curves, {**row("strided128", "False"), "n": "2048"}) is None
+
+
 def test_a_grouped_series_gets_k_v_heads_that_divide_h():
     # gqa8: the largest divisor of H up to H / 8, at least 1 (28 heads: 2, not 3)
     series = {s.name: s for s in study.default_series(torch.device("cpu"), False, 256)}
