@@ -60,11 +60,8 @@ def strided_attention(q, k, v, stride, is_causal=False, keys=None):
     band, band_lse = mt.chunked_attention(q, k, v, keep, is_causal=is_causal, window_size=s - 1, return_lse=True,
                                           chunk_size=(cq, cq + (1 if is_causal else 2) * (s - 1)))
 
-    def blocks(x):  # (B, H, L, ...) -> (B, H, n, s, ...): position b s + t at [b, t], the last block padded
-        return (x if n * s == L else F.pad(x, (0, 0) * (x.dim() - 3) + (0, n * s - L))).unflatten(2, (n, s))
-
     def by_offset(x):  # (B, H, L, d) -> (B s, H, n, d): position b s + t is row b of offset t, a view
-        return blocks(x).permute(0, 3, 1, 2, 4).flatten(0, 1)
+        return _blocks(x, s).permute(0, 3, 1, 2, 4).flatten(0, 1)
     visible = ~torch.eye(n, dtype=torch.bool, device=q.device)  # (n, n): row c = b, the key j = i, is the band's
     if keys is not None or n * s != L:  # keys hidden (padding, and the last block's positions past L): (B s, 1, n, n)
         real = F.pad(torch.ones(B, L, dtype=torch.bool, device=q.device) if keep is None else keep[:, 0, 0],
@@ -75,10 +72,10 @@ def strided_attention(q, k, v, stride, is_causal=False, keys=None):
                                                 is_causal=is_causal, return_lse=True, chunk_size=min(n, 32))
     if strided.requires_grad:  # for the peak memory only (the same result without it): the backward copies its
         strided.register_hook(torch.Tensor.contiguous)  # gradient contiguous; copied here, the strided one is freed
-    # merged in the layout (B, H, n, s, .) of blocks, where both are views
+    # merged in the layout (B, H, n, s, .) of _blocks, where both are views
     o2 = strided.unflatten(0, (B, s)).permute(0, 2, 3, 1, 4)  # (B s, H, n, Dv) -> (B, H, n, s, Dv)
     lse2 = strided_lse.unflatten(0, (B, s)).permute(0, 2, 3, 1)  # (B s, H, n) -> (B, H, n, s)
-    return merge(blocks(band), blocks(band_lse), o2, lse2).flatten(2, 3)[:, :, :L]  # (B, H, L, Dv)
+    return merge(_blocks(band, s), _blocks(band_lse, s), o2, lse2).flatten(2, 3)[:, :, :L]  # (B, H, L, Dv)
 
 
 def merge(o1, lse1, o2, lse2):
@@ -91,6 +88,13 @@ def merge(o1, lse1, o2, lse2):
     sees no key in either (lse -inf in both) gets 0."""
     a = torch.sigmoid((lse2 - lse1).nan_to_num(0.0))[..., None]  # -inf - (-inf) is NaN: both outputs 0, so is out
     return torch.lerp(o1.to(a.dtype), o2.to(a.dtype), a).to(o1.dtype)
+
+
+def _blocks(x, size, value=0.0):
+    """(B, H, L, ...) -> (B, H, ceil(L / size), size, ...): position b size + t at [b, t]; the last block padded
+    with value where size does not divide L, else a view."""
+    pad = -x.size(2) % size
+    return (F.pad(x, (0, 0) * (x.dim() - 3) + (0, pad), value=value) if pad else x).unflatten(2, (-1, size))
 
 
 def linear_attention(q, k, v, is_causal=False, chunk=64):
@@ -115,11 +119,8 @@ def linear_attention(q, k, v, is_causal=False, chunk=64):
     B, H, L, D = q.shape
     if k.size(-2) != L:
         raise ValueError(f"causal linear attention is self-attention: Lq must equal Lk, got {L} and {k.size(-2)}")
-    n = -(-L // chunk)
-
-    def blocks(t, value=0.0):  # (B, H, L, d) -> (B, H, n, c, d), padded only where c does not divide L
-        return (t if n * chunk == L else F.pad(t, (0, 0, 0, n * chunk - L), value=value)).unflatten(2, (n, chunk))
-    fq, fk, v = blocks(fq, 1.0), blocks(fk), blocks(v)  # padded queries see the keys before them: never 0/0
+    # (B, H, L / c, c, d), padded only where c does not divide L; padded queries see the keys before them: never 0/0
+    fq, fk, v = _blocks(fq, chunk, 1.0), _blocks(fk, chunk), _blocks(v, chunk)
     kv, z = fk.transpose(-2, -1) @ v, fk.sum(-2)[..., None]  # each block's sums: (B, H, n, D, Dv), (B, H, n, D, 1)
     kv, z = kv.cumsum(2).sub_(kv), z.cumsum(2).sub_(z)  # those of the blocks before: an exclusive prefix sum
     inside = (fq @ fk.transpose(-2, -1)).tril_()  # (B, H, n, c, c): keys j <= i of the query's own block
@@ -168,21 +169,18 @@ def memory_compressed_attention(q, k, v, weight_k, weight_v, keys=None, is_causa
         raise ValueError(f"causal memory-compressed attention is self-attention: Lq must equal Lk, got "
                          f"{q.size(-2)} and {Lk}")
 
-    def windows(x):  # (B, H, Lk, ...) -> (B, H, n, r, ...), the last window padded with zeros
-        return (x if Lk % ratio == 0 else F.pad(x, (0, 0) * (x.dim() - 3) + (0, -Lk % ratio))).unflatten(2, (-1, ratio))
-
-    def compress(x, w):  # the convolution as one product: (B, H, n, r d) @ (r d, d) -> (B, H, n, d)
-        return windows(x).flatten(-2) @ w.permute(2, 1, 0).flatten(0, 1)  # [t d + c, o] = w[o, c, t]
+    def compress(x, w):  # the convolution as one product over each window: (B, H, n, r d) @ (r d, d) -> (B, H, n, d)
+        return _blocks(x, ratio).flatten(-2) @ w.permute(2, 1, 0).flatten(0, 1)  # [t d + c, o] = w[o, c, t]
     seen = None
     if keys is not None:  # padded keys and values out of the windows
         keys = keys.transpose(-2, -1)  # (B, 1, Lk, 1)
         k, v = k.masked_fill(~keys, 0.0), v.masked_fill(~keys, 0.0)
-        seen = windows(keys).any(-2).transpose(-2, -1)  # (B, 1, 1, n): the windows that hold a key
+        seen = _blocks(keys, ratio).any(-2).transpose(-2, -1)  # (B, 1, 1, n): the windows that hold a key
     k, v = compress(k, weight_k), compress(v, weight_v)
     if not is_causal:
         return mt.chunked_attention(q, k, v, seen)
     n = k.size(-2)
-    q = windows(q)  # (B, H, n, r, D): query a r + t at [a, t]
+    q = _blocks(q, ratio)  # (B, H, n, r, D): query a r + t at [a, t]
     last = mt.chunked_attention(q[:, :, :, -1], k, v, seen, is_causal=True)  # t = r - 1: j <= a
     if ratio == 1:  # every window one query, its last
         return last
