@@ -824,7 +824,8 @@ def plot(rows, out_dir, title):
 
     curves, fits, walls = _ok_rows(rows), exponents(rows), memory_wall(rows)
     series = list(dict.fromkeys(r["series"] for r in rows))
-    style = {s: dict(marker="osD^vx*P"[i % 8], fillstyle="none", color=f"C{i}") for i, s in enumerate(series)}
+    hue = plt.get_cmap("tab10" if len(series) <= 10 else "tab20").colors  # tab10: C0-C9; past 10 series, 20
+    style = {s: dict(marker="osD^vx*P"[i % 8], fillstyle="none", color=hue[i % len(hue)]) for i, s in enumerate(series)}
     budgets = {b for *_, b in walls if b}
     budget_mib = 1024 * budgets.pop() if len(budgets) == 1 else None  # runs resumed under another budget: no line
     modes = [m for m in MODES if any(r["mode"] == m for r in rows)]  # a panel for each mode measured
