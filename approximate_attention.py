@@ -44,9 +44,10 @@ def strided_attention(q, k, v, stride, is_causal=False, keys=None):
     c != 0, from q, k, v regrouped by offset. With n = ceil(L / s) blocks of s positions, query i = b s + t is
     row b of offset t's sequence (B s, H, n, D); at L = 12, s = 4 the offsets' sequences are positions 0 4 8,
     1 5 9, 2 6 10 and 3 7 11, and the strided keys are plain attention inside each, to the other rows c != b
-    (c = b, j = i, is the band's), c < b with is_causal. So about L (2s + n) of the L^2 scores, and with
-    is_causal about half of them. Memory O(B H L D) and, with padding or where s does not divide L, a
-    (B s, 1, n, n) bool mask of the keys each offset's rows see: L^2 / s bools per sequence.
+    (row c = b is the query's own position, j = i, which the band holds), c < b with is_causal. So about
+    L (2s + n) of the L^2 scores, and with is_causal about half of them (the time falls less: README.md).
+    Memory O(B H L D) and, with padding or where s does not divide L, a (B s, 1, n, n) bool mask of the keys
+    each offset's rows see: L^2 / s bools per sequence.
     """
     B, H, L, D = q.shape
     if not (type(stride) is int and stride >= 1):
