@@ -1901,7 +1901,6 @@ def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size
     return q, k, v, attn_mask, is_causal, shift, scale
 
 
-
 def _check_alibi(slopes, q):
     """ALiBi's slopes as FlashAttention takes them (float32, (H,) or (B, H), non-negative constants), made
     (B or 1, H, 1, 1) in q's accumulation dtype; or a clear error."""

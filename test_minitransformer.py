@@ -1480,7 +1480,7 @@ def test_grouped_query_attention_is_attention_on_repeated_kv(impl, Hkv, case):
 @pytest.mark.parametrize("Hkv", [1, 2, 4])
 def test_core_takes_grouped_kv_heads(core, Hkv):
     # the core with K/V heads that divide q's (multi-query and grouped-query attention), forward and backward,
-    # against SDPA float64 on K, V repeated; its backward had failed on one K/V head
+    # against SDPA float64 on K, V repeated; one K/V head too, whose dK, dV sum over all 8 query heads
     q, _, _ = make_qkv(2, 8, 37, 29, 16, seed=5)
     _, k, v = make_qkv(2, Hkv, 37, 29, 16, Dv=24, seed=6)
     keep = mt.padding_mask(torch.tensor([29, 11]), 29)
@@ -1541,7 +1541,7 @@ def test_decoder_inputs_are_refused_by_name():
     cache = mt.KVCache(1, 2, 8, 32)
     with torch.no_grad():
         with pytest.raises(ValueError, match="positions= with ALiBi or a KV cache"):
-            mha(torch.randn(1, 3, 64), positions=torch.arange(3))  # ignored before: ALiBi's bias takes none
+            mha(torch.randn(1, 3, 64), positions=torch.arange(3))  # ALiBi's bias takes none
         with pytest.raises(ValueError, match="a KV cache serves a causal decoder .*is_causal=False"):
             mha(torch.randn(1, 3, 64), cache=cache)
         with pytest.raises(ValueError, match=r"the positions in the KV cache \(its max_len\) must lie in \[0, 8\)"):
