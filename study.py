@@ -888,11 +888,11 @@ def plot(rows, out_dir, title):
         fig, ax = plt.subplots(figsize=(9, 5.4))
         n, flash, uniform = trade.pop("n"), trade.pop("flash"), trade.pop("uniform")
         ax.scatter([float(flash["ms"])], [0], s=20 * float(flash["peak_mib"]) ** 0.5, color="k", label="exact (flash)")
-        for i, (s, (r, e)) in enumerate(trade.items()):
+        for s, (r, e) in trade.items():  # each series in its colour of the other figures
             for on, face in (("random", None), ("trained", "none")):  # filled: random inputs; hollow: a trained layer's
                 if e.get(f"error_{on}"):
                     ax.scatter([float(r["ms"])], [float(e[f"error_{on}"])], s=20 * float(r["peak_mib"]) ** 0.5,
-                               color=f"C{i}", facecolors=face, label=f"{s}, {on} inputs")
+                               color=style[s]["color"], facecolors=face, label=f"{s}, {on} inputs")
         for on, ls in (("random", "--"), ("trained", ":")):
             ax.axhline(uniform.get(on, math.nan), color="gray", ls=ls, lw=1, label=f"uniform attention, {on} inputs")
         ax.set(xscale="log", xlabel=f"time, fwd+bwd at n = {n} (ms)", ylabel="error ||out - exact|| / ||exact|| (fwd)",
@@ -911,7 +911,7 @@ def tradeoff(curves):
     if not pairs:
         return {}
     n = max(n for _, n in pairs)
-    trade = {s: (r, _at(curves, s, "fwd", n) or {}) for (s, m), r in pairs.items() if m == n}
+    trade = {s: (r, _at(curves, s, "fwd", n) or {}) for (s, at), r in pairs.items() if at == n}
     uniform = {on: float(e[f"uniform_{on}"]) for _, e in trade.values() for on in ("random", "trained")
                if e.get(f"uniform_{on}")}
     return {**trade, "n": n, "flash": _at(curves, "flash", "fwd+bwd", n), "uniform": uniform}
