@@ -300,18 +300,22 @@ def use_in(encoder, make):
     return encoder
 
 
-def uniform_attention(q, k, v, is_causal=False):
+def uniform_attention(q, k, v, keys=None, is_causal=False):
     """Every key a query sees weighted alike: the average of their values (softmax of scores all 0). What a
-    strategy that knew nothing of q and k would give: the error it has is the floor a strategy must beat."""
-    return mt.chunked_attention(torch.zeros_like(q), k, v, is_causal=is_causal)
+    strategy that knew nothing of q and k would give: the error it has is the floor a strategy must beat.
+    keys: a key-padding mask (B, 1, 1, Lk), True where a key exists."""
+    return mt.chunked_attention(torch.zeros_like(q), k, v, keys, is_causal=is_causal)
 
 
-def error_of(strategy, q, k, v, is_causal=False):
+def error_of(strategy, q, k, v, is_causal=False, keys=None):
     """||strategy(q, k, v) - attention(q, k, v)|| / ||attention(q, k, v)||: how far a strategy lies from exact
-    attention on these inputs (exact: minitransformer's chunked path, in the inputs' dtype)."""
+    attention on these inputs (exact: minitransformer's chunked path, in the inputs' dtype), strategy called as
+    an attention path, strategy(q, k, v, keys, is_causal=is_causal). keys: a key-padding mask (B, 1, 1, L) of
+    self-attention, handed to both; the rows of padded tokens are left out of the norms."""
     with torch.no_grad():
-        exact = mt.chunked_attention(q, k, v, is_causal=is_causal)
-        return ((strategy(q, k, v, is_causal=is_causal) - exact).norm() / exact.norm()).item()
+        exact = mt.chunked_attention(q, k, v, keys, is_causal=is_causal)
+        real = 1.0 if keys is None else keys[:, :, 0, :, None]  # (B, 1, L, 1): the rows of real tokens
+        return (((strategy(q, k, v, keys, is_causal=is_causal) - exact) * real).norm() / (exact * real).norm()).item()
 
 
 def trained_inputs(checkpoint, n, device):

@@ -2011,7 +2011,7 @@ def test_error_of_is_the_relative_distance_from_exact_attention():
     # exact attention's own error is 0; uniform attention's is that of the values' plain average, written out here
     q, k, v = make_qkv(2, 3, 40, 40, 8)
     exact = reference(q, k, v)
-    assert approx.error_of(lambda q, k, v, is_causal: mt.naive_attention(q, k, v)[0], q, k, v) < 1e-12
+    assert approx.error_of(lambda q, k, v, keys, is_causal: mt.naive_attention(q, k, v)[0], q, k, v) < 1e-12
     mean = v.mean(-2, keepdim=True).expand_as(exact)
     assert approx.error_of(approx.uniform_attention, q, k, v) == pytest.approx(
         ((mean - exact).norm() / exact.norm()).item(), rel=1e-10)
@@ -2019,6 +2019,13 @@ def test_error_of_is_the_relative_distance_from_exact_attention():
     causal_exact = reference(q, k, v, keep=torch.ones(40, 40, dtype=torch.bool).tril())
     assert approx.error_of(approx.uniform_attention, q, k, v, is_causal=True) == pytest.approx(
         ((causal_mean - causal_exact).norm() / causal_exact.norm()).item(), rel=1e-10)
+    # a key-padding mask: handed to both, and the padded rows left out of the norms (uniform: the real values' mean)
+    lengths = torch.tensor([40, 25])
+    keys, real = mt.padding_mask(lengths, 40), (torch.arange(40) < lengths[:, None])[:, None, :, None]
+    padded_exact = reference(q, k, v, keep=keys)
+    padded_mean = torch.stack([v[b, :, :n].mean(-2, keepdim=True).expand(3, 40, 8) for b, n in enumerate([40, 25])])
+    assert approx.error_of(approx.uniform_attention, q, k, v, keys=keys) == pytest.approx(
+        (((padded_mean - padded_exact) * real).norm() / (padded_exact * real).norm()).item(), rel=1e-10)
 
 
 STRATEGIES = {"strided": lambda: approx.StridedAttention(4), "linear": approx.LinearAttention,

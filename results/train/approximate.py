@@ -52,8 +52,8 @@ def run(name):
 
 
 def errors(model, data):
-    """{layer: (error, uniform attention's error)}: ||out - exact|| / ||exact|| over the real tokens, out the
-    layer's attention on its own q, k, v (the strategy with its trained parameters), exact attention on them."""
+    """{layer: (error, uniform attention's error)} (approximate_attention.error_of over the real tokens): the
+    layer's attention on its own q, k, v (the strategy with its trained parameters) against exact attention."""
     x, _, lengths = data
     keep = mt.padding_mask(lengths, x.size(1))  # (B, 1, 1, L)
     seen, found = {}, {}
@@ -64,11 +64,8 @@ def errors(model, data):
         for i, layer in enumerate(model.encoder.layers):
             attn, B, L = layer.self_attn, x.size(0), x.size(1)
             q, k, v = (t.view(B, L, attn.n_heads, -1).transpose(1, 2) for t in attn.qkv(seen[i]).chunk(3, -1))
-            exact = mt.chunked_attention(q, k, v, keep)
-            real = keep[:, :, 0, :, None]  # (B, 1, L, 1): the rows of real tokens
-            error = lambda out: ((out - exact) * real).norm().item() / (exact * real).norm().item()  # noqa: E731
-            out = exact if not callable(attn.impl) else attn.impl(q, k, v, keep)
-            found[i] = error(out), error(mt.chunked_attention(torch.zeros_like(q), k, v, keep))
+            strategy = attn.impl if callable(attn.impl) else mt.chunked_attention  # exact: the exact path itself
+            found[i] = tuple(approx.error_of(f, q, k, v, keys=keep) for f in (strategy, approx.uniform_attention))
     for hook in hooks:
         hook.remove()
     return found
