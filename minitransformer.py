@@ -70,35 +70,24 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 
 # core begins
 # Attention in its plainest correct form, forward and backward. Conventions are those of PyTorch's
-# F.scaled_dot_product_attention: q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv)
-# (D: the tutorials' d_k; H_kv = H, or a divisor of H for grouped-query attention, query head h reading K/V
-# head h // (H / H_kv)); attn_mask is bool, True where a query may attend to a key, broadcast to
-# (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk)); is_causal lets query i see keys j <= i, with attn_mask, aligned
-# top-left as SDPA's (a KV cache's bottom-right: the hardened paths). A query that may see no key gets 0.
-# float32 or float64: 16 bits and autocast are refused by name.
+# F.scaled_dot_product_attention: q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv),
+# with any leading dimensions, the same number in q, k and v (D: the tutorials' d_k; H_kv = H, or a divisor of
+# H for grouped-query attention, query head h reading K/V head h // (H / H_kv)); attn_mask is bool, True where
+# a query may attend to a key, broadcast to (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk)); is_causal lets query
+# i see keys j <= i, with attn_mask, aligned top-left as SDPA's (a KV cache's bottom-right: the hardened
+# paths). A query that may see no key gets 0. float32 or float64: 16 bits and autocast are refused by name.
 
 
-def _grouped(q, k, v, attn_mask):
-    """q (.., H, Lq, D) as (.., H_kv, G, Lq, D), k, v (.., H_kv, Lk, D) as (.., H_kv, 1, Lk, D): each K/V head
-    broadcast over the G = H / H_kv query heads that read it; attn_mask as a bool view of q's (.., Lq, Lk)
-    (None: every key visible). 16 bits, or autocast's 16-bit products, are refused: their sums are far off."""
-    autocast = torch.is_autocast_enabled(q.device.type)
-    if q.dtype not in (torch.float32, torch.float64) or autocast:
-        raise TypeError(f"the core computes in float32 or float64 outside autocast, got {q.dtype}"
-                        f"{' under autocast' * autocast}; 16 bits: chunked_attention (FlashAttention-2's)")
-    if attn_mask is not None and attn_mask.dtype != torch.bool:
-        raise TypeError(f"attn_mask must be bool, True where a query may attend, got {attn_mask.dtype}")
-    keep = None if attn_mask is None else attn_mask.expand(*q.shape[:-1], k.size(-2))
-    if q.dim() > 2 and k.dim() > 2 and k.size(-3) not in (1, q.size(-3)):  # grouped heads
-        G = q.size(-3) // k.size(-3)
-        q, k, v = q.unflatten(-3, (-1, G)), k.unsqueeze(-3), v.unsqueeze(-3)
-        keep = None if keep is None else keep.unflatten(-3, (-1, G))
-    return q, k, v, keep
+def standard_attention(q, k, v, attn_mask=None, is_causal=False):
+    """Attention(Q, K, V) = softmax(Q K^T / sqrt(D) + M) V,  M = 0 where a query may see a key, else -inf.
 
-
-def _blocks(L, size):
-    """Consecutive slices of at most `size` positions that cover 0 .. L-1."""
-    return [slice(i, min(i + size, L)) for i in range(0, L, size)]
+    The scores exist whole: B * H * Lq * Lk numbers, the memory that blockwise_attention saves.
+    """
+    q5, k5, v5, keep = _grouped(q, k, v, attn_mask)  # heads as (H_kv, G): G query heads read one K/V head
+    s = _block_scores(q5, k5, keep, is_causal, slice(0, q.size(-2)), slice(0, k.size(-2)))  # (.., Lq, Lk)
+    p = torch.softmax(s, dim=-1)
+    p = p.masked_fill(torch.isneginf(s).all(-1, keepdim=True), 0.0)  # no key visible: 0, not softmax's NaN
+    return (p @ v5).reshape(*q.shape[:-1], v.size(-1))  # (B, H_kv, G, Lq, Dv) -> (B, H, Lq, Dv)
 
 
 def _block_scores(q, k, keep, is_causal, rows, cols):
@@ -112,19 +101,6 @@ def _block_scores(q, k, keep, is_causal, rows, cols):
         j = torch.arange(cols.start, cols.stop, device=q.device)[None, :]  # (1, cols)
         mask = j <= i if mask is None else mask & (j <= i)
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
-
-
-def standard_attention(q, k, v, attn_mask=None, is_causal=False):
-    """Attention(Q, K, V) = softmax(Q K^T / sqrt(D) + M) V.
-
-    The scores exist whole: B * H * Lq * Lk numbers, the memory that blockwise_attention saves.
-    """
-    q5, k5, v5, keep = _grouped(q, k, v, attn_mask)
-    s = _block_scores(q5, k5, keep, is_causal, slice(0, q.size(-2)), slice(0, k.size(-2)))
-    p = torch.softmax(s, dim=-1)  # (B, H_kv, G, Lq, Lk)
-    p = p.masked_fill(torch.isneginf(s).all(-1, keepdim=True), 0.0)  # no key visible: 0, not softmax's NaN
-    out = p @ v5  # (B, H_kv, G, Lq, Dv) if grouped, else (B, H, Lq, Dv)
-    return out.flatten(-4, -3) if q5.dim() > q.dim() else out
 
 
 class BlockwiseAttention(torch.autograd.Function):
@@ -197,6 +173,30 @@ def blockwise_attention(q, k, v, attn_mask=None, is_causal=False, block_size=64)
         raise ValueError(f"block_size must be a positive int, got {block_size}")
     out = BlockwiseAttention.apply(*_grouped(q, k, v, attn_mask), is_causal, block_size)
     return out.reshape(*q.shape[:-1], v.size(-1))  # (B, H_kv, G, Lq, Dv) -> (B, H, Lq, Dv)
+
+
+def _grouped(q, k, v, attn_mask):
+    """q (.., H, Lq, D) as (.., H_kv, G, Lq, D), k and v (.., H_kv, Lk, D) as (.., H_kv, 1, Lk, D): a K/V head
+    broadcasts over the G = H / H_kv query heads that read it; attn_mask as a bool view of those scores.
+    Refused: 16 bits and autocast (their sums are far off), a K/V of another rank (broadcast across batch)."""
+    autocast = torch.is_autocast_enabled(q.device.type)
+    if q.dtype not in (torch.float32, torch.float64) or autocast:
+        raise TypeError(f"the core computes in float32 or float64 outside autocast, got {q.dtype}"
+                        f"{' under autocast' * autocast}; 16 bits: chunked_attention (FlashAttention-2's)")
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        raise TypeError(f"attn_mask must be bool, True where a query may attend, got {attn_mask.dtype}")
+    if not q.dim() == k.dim() == v.dim() or (q.dim() > 2 and q.size(-3) % k.size(-3)):
+        raise ValueError(f"k and v must have q's number of dimensions, and heads that divide q's: got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    G = q.size(-3) // k.size(-3) if q.dim() > 2 else 1
+    keep = None if attn_mask is None else attn_mask.expand(*q.shape[:-1], k.size(-2))
+    q, keep = (None if t is None else t.reshape(*t.shape[:-3], -1, G, *t.shape[-2:]) for t in (q, keep))
+    return q, k.unsqueeze(-3), v.unsqueeze(-3), keep
+
+
+def _blocks(L, size):
+    """Consecutive slices of at most `size` positions that cover 0 .. L-1."""
+    return [slice(i, min(i + size, L)) for i in range(0, L, size)]
 # core ends
 
 

@@ -273,11 +273,25 @@ def test_core_takes_any_leading_dimensions(core):
     want = CORE[core](q, k, v, attn_mask=keep)
     torch.testing.assert_close(CORE[core](q[:, 0], k[:, 0], v[:, 0], attn_mask=keep), want[:, 0], atol=1e-15, rtol=0)
     torch.testing.assert_close(CORE[core](q[0, 0], k[0, 0], v[0, 0], attn_mask=keep), want[0, 0], atol=1e-15, rtol=0)
-    # K, V of fewer dimensions or of size 1 broadcast over q's, as in SDPA: (L, D) and (1, 1, L, D) for each row
+    # K, V with dimensions of size 1 broadcast over q's, as in SDPA: (1, 1, L, D) for each row
     q = torch.randn(2, 3, 37, 16, dtype=torch.float64)
     want = F.scaled_dot_product_attention(q, k[:1, :1].expand(2, 3, -1, -1), v[:1, :1].expand(2, 3, -1, -1))
-    for kv in (k[0, 0], v[0, 0]), (k[:1, :1], v[:1, :1]), (k[:1, 0], v[:1, 0]):
-        torch.testing.assert_close(CORE[core](q, *kv), want, atol=1e-14, rtol=0)
+    torch.testing.assert_close(CORE[core](q, k[:1, :1], v[:1, :1]), want, atol=1e-14, rtol=0)
+
+
+@pytest.mark.parametrize("core", CORE)
+def test_core_refuses_a_kv_of_another_rank(core):
+    # a multi-query K/V with its head axis squeezed away, (B, Lk, D) beside q (B, H, Lq, D): broadcasting would read
+    # its batch axis as heads, so that q's batch 0, heads 2 and 3, attended to batch 1's keys; refused naming all
+    # three shapes, as are K/V heads that do not divide q's
+    q, k, v = make_qkv(2, 4, 5, 5, 8)
+    with pytest.raises(ValueError, match=r"k and v must have q's number of dimensions.*\(2, 4, 5, 8\), k \(2, 5, 8\), "
+                                         r"v \(2, 5, 8\)"):
+        CORE[core](q, k[:, 0], v[:, 0])
+    with pytest.raises(ValueError, match=r"k and v must have q's number of dimensions.*v \(2, 5, 8\)"):
+        CORE[core](q, k, v[:, 0])
+    with pytest.raises(ValueError, match=r"heads that divide q's: got q \(2, 4, 5, 8\), k \(2, 3, 5, 8\)"):
+        CORE[core](q, k[:, :3], v[:, :3])
 
 
 CORE_CHECK = """
@@ -320,6 +334,7 @@ for case, (attn_mask, is_causal, keep, H_kv) in cases.items():
             results.append([out] + list(torch.autograd.grad(out, leaves, dout)))
         errors[f"{fn.__name__}, {case}"] = [(a - b).abs().max().item() for a, b in zip(*results)]
 for refused in (lambda: core.standard_attention(q, k, v, attn_mask=pad.double()),
+                lambda: core.blockwise_attention(q, k[:, 0], v[:, 0]),
                 lambda: core.blockwise_attention(q.float(), k.float(), v.float(), block_size=0),
                 lambda: core.blockwise_attention(q.bfloat16(), k.bfloat16(), v.bfloat16())):
     try:
@@ -1478,12 +1493,16 @@ def test_grouped_query_attention_is_attention_on_repeated_kv(impl, Hkv, case):
 
 @pytest.mark.parametrize("core", CORE)
 @pytest.mark.parametrize("Hkv", [1, 2, 4])
-def test_core_takes_grouped_kv_heads(core, Hkv):
+@pytest.mark.parametrize("mask", ["key padding", "per query head"])
+def test_core_takes_grouped_kv_heads(core, Hkv, mask):
     # the core with K/V heads that divide q's (multi-query and grouped-query attention), forward and backward,
-    # against SDPA float64 on K, V repeated; one K/V head too, whose dK, dV sum over all 8 query heads
+    # against SDPA float64 on K, V repeated; one K/V head too, whose dK, dV sum over all 8 query heads; the mask a
+    # key padding (B, 1, 1, Lk), or one of its own for every query head (B, H, Lq, Lk), some rows of it all False
     q, _, _ = make_qkv(2, 8, 37, 29, 16, seed=5)
     _, k, v = make_qkv(2, Hkv, 37, 29, 16, Dv=24, seed=6)
     keep = mt.padding_mask(torch.tensor([29, 11]), 29)
+    if mask == "per query head":
+        keep = torch.rand(2, 8, 37, 29, generator=torch.Generator().manual_seed(8)) < 0.3
     dout = torch.randn(2, 8, 37, 24, dtype=torch.float64)
     ref = grads_of(lambda q, k, v: decoder_ref(q, k, v, 0, keep=keep), q, k, v, dout)
     ours = grads_of(lambda q, k, v: CORE[core](q, k, v, attn_mask=keep, is_causal=True), q, k, v, dout)
