@@ -201,10 +201,9 @@ def _blocks(L, size):
 
 
 # -----------------------------------------------------------------------------
-# The model: multi-head attention, positional encodings, the encoder layer, the config and the encoder.
-# Its attention goes through attention(), which runs a path of the appendix (impl=) or a function of yours.
-# It also uses, from the appendix: padding_mask and causal_mask (bool masks), documents (the positions of
-# packed documents), naive_attention (for the weights a heatmap shows) and default_chunk_size.
+# The model: multi-head attention, positional encodings, the encoder layer, the config and the encoder. Its
+# attention goes through attention(), a path of the appendix (impl=) or a function of yours; it also uses the
+# appendix's padding_mask, documents, mask_block, naive_attention and the checks.
 
 IMPLS = ("naive", "chunked", "flash")
 POS_ENCODINGS = ("sinusoidal", "learned", "rope", "alibi")
@@ -212,15 +211,13 @@ POS_ENCODINGS = ("sinusoidal", "learned", "rope", "alibi")
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, impl="flash",
               window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None, enable_gqa=False):
-    """Attention through impl: one of IMPLS, or a function with SDPA's arguments, window_size=, cu_seqlens=
-    and, only where given, alibi_slopes= and enable_gqa= (ring_attention.ring_impl, approximate_attention's
-    modules). q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv). As the appendix's
-    header states: attn_mask bool (True = may attend) or float (added to the scores), broadcast to (B, H, Lq,
-    Lk), or SDPA's CausalBias; is_causal: keys j <= i, top-left as SDPA's, with a warning where Lq != Lk
-    outside torch.compile (causal_lower_right(Lq, Lk) as the mask aligns causality, window and ALiBi
-    bottom-right, as a KV cache needs); window_size=w: |i - j| <= w; cu_seqlens: CPU int offsets [0, l_1,
-    l_1 + l_2, ..., L] of documents packed in every row, each attending to itself alone; alibi_slopes:
-    alibi_slopes(H); enable_gqa: H_kv heads in k and v, a divisor of H."""
+    """softmax(Q K^T * scale + M) V, as the core computes it, through impl: one of IMPLS (the appendix's
+    paths), or a function with their arguments (ring_attention.ring_impl, approximate_attention's modules).
+
+    q (B, H, Lq, D), k and v (B, H, Lk, D or Dv) -> (B, H, Lq, Dv). attn_mask: bool, True where a query may
+    attend, or float, added to the scores, broadcast to (B, H, Lq, Lk); is_causal: query i sees keys j <= i.
+    The rest (local windows, packed documents, ALiBi, fewer K/V heads, a decoder's causality) and the
+    conventions every path keeps: the appendix's header."""
     kw = dict(window_size=window_size, cu_seqlens=cu_seqlens)
     kw |= {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}  # a function without it still runs
     kw |= {"enable_gqa": True} if enable_gqa else {}
@@ -246,10 +243,8 @@ class MultiHeadAttention(nn.Module):
     2 * n_kv_heads * hs (hs = C / n_heads), its weight laid out as nn.MultiheadAttention's in_proj_weight:
     q's rows, k's, then v's. n_kv_heads below n_heads: grouped-query attention (1: multi-query), query head
     h reading K/V head h // (n_heads / n_kv_heads), as Llama's repeat_kv (x-transformers: h % n_kv_heads).
-    impl: one of IMPLS, or an attention function (see attention()). rope: an optional
-    RotaryEmbedding applied to q and k of every head, at `positions` (default 0 .. T-1, restarting
-    in every document of cu_seqlens: the packed documents of every row, see documents()). alibi: ALiBi's
-    bias in every head (alibi_slopes, made in float32 on x's device whatever the module's dtype).
+    impl: one of IMPLS, or an attention function (see attention()). rope: an optional RotaryEmbedding for q
+    and k of every head; alibi: ALiBi's bias in every head (alibi_slopes, float32 whatever the module's).
     """
 
     def __init__(self, d_model, n_heads, dropout=0.0, bias=True, impl="flash", *, chunk_size=None,
@@ -273,58 +268,40 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x, attn_mask=None, is_causal=False, need_weights=False, positions=None,
                 cu_seqlens=None, cache=None):
-        """x (B, T, C) -> (B, T, C), and with need_weights also the weights (B, nh, T, T) (naive path).
+        """x (B, T, C) -> (B, T, C), and with need_weights also the weights (B, nh, T, Lk) (the naive path).
 
-        attn_mask: bool, True where a query may attend, or float, added to the scores; it broadcasts to
-        (B, nh, T, T), so a key-padding mask is (B, 1, 1, T): padding_mask(lengths, T). is_causal: query i
-        sees keys j <= i. positions: the (T,) positions of x's rows, for RoPE; cu_seqlens: documents packed in
-        every row (documents(), in the appendix). cache: a KVCache, for a causal decoder a step at a time: x's
-        T tokens take its next positions (RoPE's and ALiBi's), their keys and values are written into it, and
-        they attend to the keys it holds, bottom-right causal (an attn_mask then covers its max_len slots)."""
-        if x.dim() != 3 or x.size(-1) != self.d_model:
-            raise ValueError(f"expected x of shape (B, T, {self.d_model}), got {tuple(x.shape)}")
+        attn_mask: bool, True where a query may attend, or float, added to the scores, broadcast to (B, nh, T,
+        T): key padding is (B, 1, 1, T). is_causal: query i sees keys j <= i. positions: the (T,) positions of
+        x's rows, for RoPE (default 0 .. T-1, or each document's of cu_seqlens). cache: a causal decoder's
+        KVCache, which reads attn_mask and places the tokens. Checks: _check_mha_call."""
+        _check_mha_call(self, x, attn_mask, is_causal, need_weights, positions, cu_seqlens, cache)
         B, T, C = x.size()
         nh, nkv, hs = self.n_heads, self.n_kv_heads, C // self.n_heads
         q, k, v = self.qkv(x).split([C, nkv * hs, nkv * hs], dim=2)
         q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
-        if positions is not None:
-            _check_positions(positions, T)
-            if self.alibi or cache is not None:
-                raise ValueError("positions= with ALiBi or a KV cache: ALiBi's bias is -slope * |i - j| for "
-                                 "the tokens' places, and a cache's tokens continue from its length")
-        if need_weights and callable(self.impl):
-            raise ValueError("need_weights computes the weights by naive attention on this module's own "
-                             "q, k, v: not with an attention function as impl (a ring sees a shard only)")
-        if cache is not None and (not is_causal or cu_seqlens is not None
-                                  or isinstance(attn_mask, CausalBias)):
-            raise ValueError(f"a KV cache serves a causal decoder (is_causal=True), its mask bottom-right: "
-                             f"no cu_seqlens or CausalBias; got is_causal={is_causal}, cu_seqlens="
-                             f"{cu_seqlens is not None}, attn_mask={type(attn_mask).__name__}")
         if cache is not None:
-            positions = cache.length + torch.arange(T, device=x.device)  # (T,): the cache's next positions
+            positions = cache.positions(T, attn_mask)  # (B, T): each row's own
+        elif positions is None and cu_seqlens is not None:
+            positions = documents(cu_seqlens, T, x.device)[1]  # restarting in every document
         if self.rope is not None:
-            if positions is None and cu_seqlens is not None:
-                positions = documents(cu_seqlens, T, x.device)[1]
             q, k = self.rope(q, positions), self.rope(k, positions)
-        p = self.dropout if self.training else 0.0
         kw = dict(window_size=self.window_size, cu_seqlens=cu_seqlens, enable_gqa=nkv != nh,
                   alibi_slopes=alibi_slopes(nh, x.device) if self.alibi else None)
-        if cache is not None:  # all the keys it holds, seen through one mask: causality, window, ALiBi
-            given = None if attn_mask is None else _check_mask(attn_mask, q, (B, nh, T, cache.k.size(-2)))
-            k, v = cache.append(k, v, positions)  # (B, nkv, max_len, hs), written after every check
-            attn_mask = mask_block(given, slice(0, T), slice(0, k.size(-2)), is_causal=True,
-                                   shift=positions[0], window_size=self.window_size, device=x.device,
-                                   alibi_slopes=_check_alibi(kw["alibi_slopes"], q))
-            is_causal, kw["window_size"], kw["alibi_slopes"] = False, None, None
-        if need_weights:  # only the naive path materialises the weights
-            y, weights = naive_attention(q, k, v, attn_mask, p, is_causal, **kw)
-        else:
-            y = attention(q, k, v, attn_mask, p, is_causal, impl=self.impl, chunk_size=self.chunk_size, **kw)
+        with _all_or_nothing([cache], T):  # a call that raises leaves the cache as it was
+            if cache is not None:  # all its slots, through one mask: causality, window, ALiBi by position
+                slopes = _check_alibi(kw["alibi_slopes"], q)  # (1, nh, 1, 1), in q's precision
+                k, v, attn_mask = cache.update(k, v, positions, attn_mask, self.window_size, slopes)
+                is_causal, kw["window_size"], kw["alibi_slopes"] = False, None, None
+            p = self.dropout if self.training else 0.0
+            if need_weights:  # only the naive path materialises the weights
+                y, weights = naive_attention(q, k, v, attn_mask, p, is_causal, **kw)
+            else:
+                y = attention(q, k, v, attn_mask, p, is_causal, impl=self.impl, chunk_size=self.chunk_size,
+                              **kw)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
-        y = self.proj(y)
-        return (y, weights) if need_weights else y  # weights: (B, nh, T, T) (T, max_len with a cache)
+        return (self.proj(y), weights) if need_weights else self.proj(y)
 
     @classmethod
     def from_torch(cls, m, impl="flash"):
@@ -347,38 +324,88 @@ class MultiHeadAttention(nn.Module):
 
 
 class KVCache:
-    """A causal decoder's keys and values so far, for one MultiHeadAttention: k, v (B, n_kv_heads, max_len,
-    hs) made once, and `length`, the positions written, a () int64 tensor on their device; so every compiled
-    step has one shape, one graph, no host read (a cache grown by concatenation recompiles at every step).
-    The price: a step attends to all max_len slots (those not written hidden by causality), a prefill of T
-    tokens through one (T, max_len) mask (float with ALiBi): max_len is best the length decoded. reset()
-    starts new sequences; without it the next call continues them."""
+    """A causal decoder's keys and values so far, for one MultiHeadAttention, made once so that a compiled
+    step has one shape, one graph and no host read: k, v (B, n_kv_heads, max_len, hs); `length`, the slots
+    written in every row; `pos` (B, max_len), where each slot's token sits, counting its row's real tokens
+    (Hugging Face's cumsum(mask) - 1), or max_len, after every query. attn_mask: a call's key padding, (B, 1,
+    1, T) bool, which the cache keeps; or a mask over the max_len slots, for that call (T = max_len: a (B, 1,
+    1, T) bool mask is key padding). A call that raises leaves the cache as it was on a CPU in eager mode;
+    compiled or on CUDA a device-side assert may stand in, the cache then unspecified."""
 
     def __init__(self, batch_size, n_kv_heads, max_len, head_size, device=None, dtype=None):
         self.k = torch.zeros(batch_size, n_kv_heads, max_len, head_size, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.length = torch.zeros((), dtype=torch.long, device=device)
+        self.pos = torch.full((batch_size, max_len), max_len, dtype=torch.long, device=device)
 
     def reset(self):
-        self.length.zero_()  # what the slots hold stays, hidden by causality until written again
+        self.length.zero_()  # what the slots hold stays, hidden until written again
+        self.pos.fill_(self.pos.size(-1))
 
-    def append(self, k, v, positions):
-        """Write k, v (B, n_kv_heads, T, hs) at `positions`, the next T, in place; returns all of k and v."""
+    def rollback(self, n):
+        """Drop the last n slots: each row's next position goes back by its real tokens among them."""
+        if not (type(n) is int and n >= 0):
+            raise ValueError(f"rollback(n) drops n slots, a non-negative int: got {n!r}")
+        _check_range(self.length - n, 0, math.inf, f"the slots written less the {n} to drop")
+        self.length.sub_(n)
+        L = self.pos.size(-1)
+        self.pos.masked_fill_(torch.arange(L, device=self.pos.device) >= self.length, L)  # (B, max_len)
+
+    def positions(self, T, attn_mask=None):
+        """(B, T): the positions of a call's T tokens, counting the row's real tokens (padding: the last)."""
+        L = self.pos.size(-1)  # a named error, before anything is indexed or written:
+        _check_range(self.length + T, 0, L + 1, f"KVCache.length after a call of {T} tokens (max_len={L})")
+        real = self._read(attn_mask, T)[0]  # (B or 1, T): the call's real tokens
+        return ((self.pos < L).sum(-1, keepdim=True) + real.cumsum(-1) - 1).clamp(min=0)
+
+    def update(self, k, v, positions, attn_mask=None, window_size=None, alibi_slopes=None):
+        """Write k, v (B, n_kv_heads, T, hs) into the next T slots; return all of k and v, and the mask
+        through which queries at `positions` (B, T) see them (ALiBi's slopes: (1, H, 1, 1))."""
         if k.shape[:2] != self.k.shape[:2] or k.dtype != self.k.dtype:
             raise ValueError(f"a cache of {tuple(self.k.shape)} {self.k.dtype} takes keys of its (B, H_kv) "
                              f"and dtype: got {tuple(k.shape)} {k.dtype}")
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):  # its graph would grow each step
             raise ValueError("a KV cache serves inference: decode under torch.no_grad() (or inference_mode)")
-        _check_range(positions, 0, self.k.size(-2), "the positions in the KV cache (its max_len)")
-        self.k.index_copy_(2, positions, k)
-        self.v.index_copy_(2, positions, v)
-        self.length.add_(k.size(-2))
-        return self.k, self.v
+        T, (real, over_slots) = k.size(-2), self._read(attn_mask, k.size(-2))
+        slots, L = self.length + torch.arange(T, device=k.device), self.pos.size(-1)  # (T,): the next T
+        self.k.index_copy_(2, slots, k)
+        self.v.index_copy_(2, slots, v)
+        self.pos.index_copy_(1, slots, positions.masked_fill(~real, L))  # padding: after every query
+        self.length.add_(T)
+        mask = mask_block(over_slots, slice(0, T), slice(0, L), is_causal=True,
+                          positions=(positions, self.pos), window_size=window_size, alibi_slopes=alibi_slopes)
+        return self.k, self.v, mask
+
+    def _read(self, attn_mask, T):
+        """attn_mask read (see the class): the call's real tokens, (B or 1, T) bool; a mask over the slots."""
+        (B, L), shape = self.pos.shape, tuple(getattr(attn_mask, "shape", ()))
+        if shape[1:] == (1, 1, T) and shape[0] in (1, B) and attn_mask.dtype == torch.bool:
+            return attn_mask[:, 0, 0], None
+        if attn_mask is not None and shape[-1:] != (L,):
+            raise ValueError(f"with a KV cache, attn_mask is a call's key padding, bool ({B}, 1, 1, {T}), or "
+                             f"a mask over its max_len={L} slots, (.., {L}); got {attn_mask.dtype} {shape}")
+        return self.pos.new_ones(1, T, dtype=torch.bool), attn_mask
+
+
+@contextlib.contextmanager
+def _all_or_nothing(caches, T):
+    """If the with-block raises, every KVCache of caches (None: none) is left as it was: its length and the
+    keys, values and positions of the T slots it may write (clamped to max_len). Not under torch.compile."""
+    saved = []
+    for c in [] if torch.compiler.is_compiling() else [c for c in caches if c is not None]:
+        slots = (c.length + torch.arange(T, device=c.length.device)).clamp(max=c.pos.size(-1) - 1)  # (T,)
+        saved.append((c, slots, c.length.clone(), c.k[:, :, slots], c.v[:, :, slots], c.pos[:, slots]))
+    try:
+        yield
+    except BaseException:
+        for c, slots, length, k, v, pos in saved:
+            c.length[()], c.k[:, :, slots], c.v[:, :, slots], c.pos[:, slots] = length, k, v, pos
+        raise
 
 
 # -----------------------------------------------------------------------------
-# Positional encodings. Each takes `positions`, the (T,) positions of x's rows (default 0 .. T-1):
-# a shard of a longer sequence (ring_attention.py) sits at its own positions.
+# Positional encodings. Each takes `positions`, the (T,) positions of x's rows (default 0 .. T-1): a shard of
+# a longer sequence (ring_attention.py) sits at its own positions; or (B, T), each row's own (a KVCache's).
 
 
 class SinusoidalPositionalEncoding(nn.Module):
@@ -436,9 +463,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x, positions=None):
         pos = _positions(x.size(-2), self.max_len, positions)
+        cos, sin = self.cos[pos].unsqueeze(-3), self.sin[pos].unsqueeze(-3)  # (1 or B, 1, T, hs)
         x1, x2 = x.chunk(2, dim=-1)
         rotated = torch.cat([-x2, x1], dim=-1)  # (B, nh, T, hs): multiplication by i, pair by pair
-        return x * self.cos[pos].to(x.dtype) + rotated * self.sin[pos].to(x.dtype)
+        return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
 def alibi_slopes(n_heads, device=None):
@@ -606,26 +634,17 @@ class Encoder(nn.Module):
 
     def forward(self, idx, attn_mask=None, is_causal=False, positions=None, cu_seqlens=None, cache=None):
         """positions: the (T,) positions of idx's tokens (default 0 .. T-1), as for a shard of a longer
-        sequence (ring_attention.ShardedEncoder). cu_seqlens: every row packs these documents (see
-        documents()); each is encoded as if alone, its positions restarting at 0. cache: a KVCache per layer
-        (kv_caches()), for a causal decoder fed a few tokens at a time: idx's continue its positions."""
-        if self.config.pos_encoding == "alibi":  # its bias: from the tokens' places in the row or document
-            if positions is not None:
-                raise ValueError("pos_encoding='alibi' takes no positions: its bias is -slope * |i - j| for "
-                                 "the tokens' places i, j in the row (or in one document of cu_seqlens)")
-        elif cu_seqlens is not None and positions is None:
-            positions = documents(cu_seqlens, idx.size(-1), idx.device)[1]
-        if positions is not None:  # named here: past the tables' end it would be a bare IndexError
-            _check_positions(positions, idx.size(-1))
-            _check_range(positions, 0, self.config.max_len, "positions inside each document or shard")
+        sequence (ring_attention.ShardedEncoder). cu_seqlens: every row packs these documents (documents()),
+        each encoded as if alone, its positions restarting at 0. cache: a KVCache per layer (kv_caches()), for
+        a causal decoder fed a few tokens at a time, each row's continuing its own positions (see KVCache)."""
+        _check_caches(self, cache)
+        if (positions is None) and (cu_seqlens is not None) and (self.config.pos_encoding != "alibi"):
+            positions = documents(cu_seqlens, idx.size(1), idx.device)[1]  # (T,): each document's own
         caches = [None] * len(self.layers) if cache is None else cache
-        if cache is not None and len({id(c) for c in cache}) != len(cache) or len(caches) != len(self.layers):
-            raise ValueError(f"cache holds {len(caches)} KVCaches, {len({id(c) for c in caches})} of them "
-                             f"distinct, for {len(self.layers)} layers: one of its own a layer (kv_caches())")
-        at = positions if cache is None else cache[0].length + torch.arange(idx.size(-1), device=idx.device)
-        x = self._embed(idx, at)  # (B, T, d_model): with a cache, at the positions that continue it
-        for layer, layer_cache in zip(self.layers, caches):
-            x = layer(x, attn_mask, is_causal, positions, cu_seqlens, layer_cache)
+        with _all_or_nothing(caches, idx.size(1)):  # a call that raises leaves every cache as it was
+            x = self._embed(idx, positions if (cache is None) else cache[0].positions(idx.size(1), attn_mask))
+            for layer, layer_cache in zip(self.layers, caches):
+                x = layer(x, attn_mask, is_causal, positions, cu_seqlens, layer_cache)
         return self.norm(x)
 
     def kv_caches(self, batch_size, device=None, dtype=None):
@@ -1126,7 +1145,7 @@ def parse_args(argv=None):
 # the tests prove it equal to the core. All three take the arguments and conventions of
 # F.scaled_dot_product_attention (SDPA), with the core's shapes, plus:
 # - a float attn_mask is added to the scores, and only -inf masks a key; integer masks are refused, as
-#   SDPA refuses them; is_causal with an attn_mask applies both (SDPA refuses the pair);
+#   SDPA refuses them; is_causal with an attn_mask applies both (SDPA's math kernel refuses the pair);
 # - window_size=w: query i sees keys with |i - j| <= w (with is_causal: 0 <= i - j <= w);
 # - cu_seqlens, packed documents (self-attention): query i sees only the keys of its own document;
 # - dropout_p, scale, and under autocast float32 q, k, v computed and returned in autocast's dtype;
@@ -1176,12 +1195,12 @@ def documents(cu_seqlens, L, device=None):
     return both.to(device, non_blocking=True).unbind()
 
 
-def mask_block(attn_mask, rows, cols, *, is_causal=False, shift=0, window_size=None, doc_ids=None,
-               offsets=None, alibi_slopes=None, scores=None, device=None):
+def mask_block(attn_mask, rows, cols, *, is_causal=False, shift=0, positions=None, window_size=None,
+               doc_ids=None, offsets=None, alibi_slopes=None, scores=None, device=None):
     """The mask of scores[..., rows, cols] (rows, cols: slices of the queries and of the keys), query i
     sitting at key position i + shift for causality, the window and ALiBi: shift 0 is top-left, Lk - Lq
-    bottom-right, and a () tensor on the device (a static KV cache's length) builds the whole block, reading
-    nothing on the host.
+    bottom-right (with key padding: attn_mask=mask_block(keep, slice(0, Lq), slice(0, Lk), is_causal=True,
+    shift=Lk - Lq)); or, given positions = (queries' (B, Lq), keys' (B, Lk)), every row's own (a KVCache's).
 
     Returns a bool mask (True = keep), a float mask (added to the scores), or None (keep every key),
     broadcastable to (B, H, rows, cols). Causality, the window and documents are built from positions, and
@@ -1191,7 +1210,7 @@ def mask_block(attn_mask, rows, cols, *, is_causal=False, shift=0, window_size=N
     -slope * |i - j| in the slopes' dtype (the same within a document), joins the mask; or, given the block's
     scores (B, H, rows, cols), S_ij -= slope * |i - j| in place, with no block of its own."""
     q0, q1, k0, k1 = rows.start, rows.stop, cols.start, cols.stop
-    p0, p1, anywhere = q0 + shift, q1 + shift, torch.is_tensor(shift)  # the queries' positions
+    p0, p1, anywhere = q0 + shift, q1 + shift, positions is not None  # the queries' positions
     causal = is_causal and (anywhere or k1 - 1 > p0)  # some key lies after some query
     local = window_size is not None and (anywhere or k1 - 1 - p0 > window_size or p1 - 1 - k0 > window_size)
     # a boundary b cuts the block where min(q0, k0) < b < max(q1, k1): bisect_right counts the offsets at
@@ -1199,17 +1218,20 @@ def mask_block(attn_mask, rows, cols, *, is_causal=False, shift=0, window_size=N
     cut = doc_ids is not None and (offsets is None or bisect.bisect_right(offsets, min(q0, k0))
                                 < bisect.bisect_left(offsets, max(q1, k1)))
     keep = doc_ids[rows, None] == doc_ids[None, cols] if cut else None  # (rows, cols): the same document
-    if causal or local:
-        i = torch.arange(q0, q1, device=device)[:, None] + shift  # (rows, 1)
-        j = torch.arange(k0, k1, device=device)[None, :]  # (1, cols)
-        if causal:
-            keep = j <= i if keep is None else keep & (j <= i)
-        if local:  # compared, never subtracted: i - j would be an int64 (rows, cols) temporary
-            near = (j >= i - window_size) & (j <= i + window_size)
-            keep = near if keep is None else keep & near
+    if causal or local or alibi_slopes is not None:  # positions, in floats for ALiBi's distance
+        dtype = None if alibi_slopes is None else alibi_slopes.dtype
+        if anywhere:  # each row's own: (B, 1, rows, 1) and (B, 1, 1, cols)
+            i, j = positions[0][:, None, rows, None].to(dtype), positions[1][:, None, None, cols].to(dtype)
+        else:
+            i = torch.arange(q0, q1, device=device, dtype=dtype)[:, None] + shift  # (rows, 1)
+            j = torch.arange(k0, k1, device=device, dtype=dtype)[None, :]  # (1, cols)
+    if causal:
+        keep = j <= i if keep is None else keep & (j <= i)
+    if local:  # compared, never subtracted: i - j would be an int64 (rows, cols) temporary
+        near = (j >= i - window_size) & (j <= i + window_size)
+        keep = near if keep is None else keep & near
     if alibi_slopes is not None:  # the bias, with what keep and the attn_mask hide at -inf
-        i, j = (torch.arange(a, b, device=device, dtype=alibi_slopes.dtype) for a, b in ((q0, q1), (k0, k1)))
-        distance = (j - (i[:, None] + shift)).abs_()  # (rows, cols)
+        distance = (j - i).abs_()  # (rows, cols), or (B, 1, rows, cols)
         if scores is not None:
             scores.addcmul_(alibi_slopes, distance, value=-1)  # S -= slope * |i - j|: no product block made
         else:
@@ -1874,8 +1896,7 @@ def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
-    if window_size is not None and (not isinstance(window_size, int) or window_size < 0):
-        raise ValueError(f"window_size must be a non-negative int or None, got {window_size!r}")
+    _check_window(window_size)
     if cu_seqlens is not None:
         if Lq != Lk:
             raise ValueError(f"cu_seqlens packs documents for self-attention: Lq must equal Lk, got {Lq} "
@@ -1899,6 +1920,39 @@ def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)  # SDPA's default
     attn_mask = None if attn_mask is None else _check_mask(attn_mask, q, (B, H, Lq, Lk))
     return q, k, v, attn_mask, is_causal, shift, scale
+
+
+def _check_window(window_size):
+    if window_size is not None and (not isinstance(window_size, int) or window_size < 0):
+        raise ValueError(f"window_size must be a non-negative int or None, got {window_size!r}")
+
+
+def _check_mha_call(mha, x, attn_mask, is_causal, need_weights, positions, cu_seqlens, cache):
+    """MultiHeadAttention.forward's arguments, or a clear error, before anything is computed or written."""
+    if x.dim() != 3 or x.size(-1) != mha.d_model:
+        raise ValueError(f"expected x of shape (B, T, {mha.d_model}), got {tuple(x.shape)}")
+    if cache is not None:
+        if not is_causal or cu_seqlens is not None or isinstance(attn_mask, CausalBias):
+            raise ValueError(f"a KV cache serves a causal decoder (is_causal=True), its mask bottom-right: "
+                             f"no cu_seqlens or CausalBias; got is_causal={is_causal}, cu_seqlens="
+                             f"{cu_seqlens is not None}, attn_mask={type(attn_mask).__name__}")
+        _check_window(mha.window_size)  # the cache's mask takes it, not a path that would check it
+        if (attn_mask is not None) and (cache._read(attn_mask, x.size(1))[1] is not None):  # over the slots
+            _check_mask(attn_mask, x, (x.size(0), mha.n_heads, x.size(1), cache.pos.size(-1)))
+    if positions is not None:
+        _check_positions(positions, x.size(1))
+        if mha.alibi or cache is not None:
+            raise ValueError("positions= with ALiBi or a KV cache: ALiBi's bias is -slope * |i - j| for the "
+                             "tokens' places, and a cache places each row's tokens itself (KVCache)")
+    if need_weights and callable(mha.impl):
+        raise ValueError("need_weights computes the weights by naive attention on this module's own q, k, v: "
+                         "not with an attention function as impl (a ring sees a shard only)")
+
+
+def _check_caches(enc, cache):
+    if (cache is not None) and (len(cache) != len(enc.layers) or len({id(c) for c in cache}) != len(cache)):
+        raise ValueError(f"cache holds {len(cache)} KVCaches, {len({id(c) for c in cache})} of them "
+                         f"distinct, for {len(enc.layers)} layers: one of its own a layer (kv_caches())")
 
 
 def _check_alibi(slopes, q):
@@ -1974,10 +2028,13 @@ def _chunks(chunk_size):
 
 
 def _positions(T, max_len, positions):
-    """What a positional encoding indexes its table with: positions (indexing checks their range), or
-    0 .. T-1 after checking T (a slice past the table's end would silently be shorter)."""
+    """What a positional encoding indexes its table with: positions, (T,) or (B, T), checked to lie in the
+    table, or 0 .. T-1 after checking T (a slice past the table's end would silently be shorter)."""
     if positions is not None:
-        return _check_positions(positions, T)
+        if positions.dim() != 2 or positions.size(-1) != T:  # (B, T): each row's own, a KVCache's
+            _check_positions(positions, T)
+        _check_range(positions, 0, max_len, f"positions (the table's max_len: {max_len})")
+        return positions
     if T > max_len:
         raise ValueError(f"sequence length {T} exceeds max_len={max_len}")
     return slice(0, T)

@@ -1171,7 +1171,7 @@ def test_bad_cu_seqlens_are_refused_by_name(impl):
         model = mt.Encoder(mt.EncoderConfig(impl=impl, **TINY))
     with pytest.raises(ValueError, match="end at the sequence length 8"):
         model(torch.randint(0, 16, (2, 8)), cu_seqlens=torch.tensor([0, 4, 9]))
-    with pytest.raises(ValueError, match=r"positions inside each document or shard must lie in \[0, 64\), got min 0 max 69"):
+    with pytest.raises(ValueError, match=r"positions \(the table's max_len: 64\) must lie in \[0, 64\), got min 0 max 69"):
         model(torch.randint(0, 16, (1, 80)), cu_seqlens=torch.tensor([0, 10, 80]))  # a document past max_len = 64
 
 
@@ -1382,7 +1382,7 @@ def test_alibi_encoder_paths_agree_and_documents_are_encoded_alone(impl):
     alone = torch.cat([models[impl](idx[:, a:b]) for a, b in zip(cu, cu[1:]) if b > a], dim=1)
     torch.testing.assert_close(models[impl](idx, cu_seqlens=torch.tensor(cu)), alone, atol=1e-10, rtol=1e-10)
     assert not any("alibi" in name for name, _ in models[impl].named_buffers())  # no copy for .half() to round
-    with pytest.raises(ValueError, match="pos_encoding='alibi' takes no positions"):
+    with pytest.raises(ValueError, match="positions= with ALiBi or a KV cache"):
         models[impl](idx, positions=torch.arange(31))
     with pytest.raises(ValueError, match="no ALiBi"):
         ring.ShardedEncoder(models[impl])
@@ -1565,7 +1565,7 @@ def test_decoder_inputs_are_refused_by_name():
             mha(torch.randn(1, 3, 64), positions=torch.arange(3))  # ALiBi's bias takes none
         with pytest.raises(ValueError, match="a KV cache serves a causal decoder .*is_causal=False"):
             mha(torch.randn(1, 3, 64), cache=cache)
-        with pytest.raises(ValueError, match=r"the positions in the KV cache \(its max_len\) must lie in \[0, 8\)"):
+        with pytest.raises(ValueError, match=r"KVCache.length after a call of 9 tokens \(max_len=8\) must lie in \[0, 9\), got min 9 max 9"):
             mha(torch.randn(1, 9, 64), is_causal=True, cache=cache)
     with pytest.raises(ValueError, match="a KV cache serves inference: decode under torch.no_grad"):
         mha(torch.randn(1, 3, 64), is_causal=True, cache=cache)
@@ -1689,7 +1689,8 @@ def test_a_kv_cache_takes_masks_over_its_slots_and_refuses_before_writing(impl):
                 torch.testing.assert_close(got[..., :T], weights, atol=1e-10, rtol=0)
                 assert (got[..., T:] == 0).all()
         state = cache.k.clone(), cache.v.clone(), cache.length.clone()
-        with pytest.raises(ValueError, match=r"does not broadcast to \(B, H, Lq, Lk\) = \(2, 4, 1, 12\)"):
+        with pytest.raises(ValueError, match=r"key padding, bool \(2, 1, 1, 1\), or a mask over its max_len=12 "
+                                             r"slots, \(.., 12\); got torch.bool \(2, 1, 1, 9\)"):
             mha(x[:, :1], torch.ones(2, 1, 1, T, dtype=torch.bool), is_causal=True, cache=cache)  # T keys, not L
         with pytest.raises(ValueError, match="a KV cache serves a causal decoder .*CausalBias; got .*CausalBias"):
             mha(x[:, :1], torch.nn.attention.bias.causal_lower_right(1, L), cache=cache)
@@ -1735,6 +1736,230 @@ def test_a_compiled_decoding_step_is_one_graph_for_every_step_and_reads_nothing(
         assert counter.frame_count == 1
         eager = enc.kv_caches(2)
         assert host_reads(lambda: enc(idx[:, :1], is_causal=True, cache=eager)) == []
+
+
+def padded_batch(lengths, T, steps, side, seed=1):
+    """Prompts of `lengths` padded to T on `side` (B, T), their key padding (B, 1, 1, T), the next `steps` tokens of
+    every row (B, steps), and every row's whole sequence of real tokens (a list of (1, lengths[b] + steps))."""
+    seqs = torch.randint(1, 20, (len(lengths), T + steps), generator=torch.Generator().manual_seed(seed))
+    prompts, keep = torch.zeros(len(lengths), T, dtype=torch.long), mt.padding_mask(torch.tensor(lengths), T)
+    keep = keep.flip(-1) if side == "left" else keep
+    prompts[keep[:, 0, 0]] = torch.cat([seqs[b, :n] for b, n in enumerate(lengths)])
+    following = torch.stack([seqs[b, n:n + steps] for b, n in enumerate(lengths)])
+    return prompts, keep, following, [seqs[b:b + 1, :n + steps] for b, n in enumerate(lengths)]
+
+
+def decoder(impl, encoding, window=None, max_len=24):
+    cfg = mt.EncoderConfig(vocab_size=20, max_len=max_len, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2,
+                           d_ff=32, impl=impl, pos_encoding=encoding, chunk_size=4, window_size=window)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # small heads
+        return randomized(mt.Encoder(cfg).double().eval())
+
+
+def real_states(h, keep):
+    """The hidden states of the real tokens of each row of a prefill, a list of (n_b, C)."""
+    return [h[b, keep[b, 0, 0]] for b in range(h.size(0))]
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("encoding", mt.POS_ENCODINGS)
+@pytest.mark.parametrize("window", [None, 3])
+def test_batched_prompts_of_different_lengths_decode_each_as_alone(impl, encoding, window):
+    # prompts of 3, 7 and 10 tokens in one batch, padded left and right, their key padding as the prefill's mask,
+    # then 6 tokens a step at a time with no mask: every real token's hidden state equals that row's whole causal
+    # forward alone, float64 at 1e-10 (2 of 4 K/V heads). Positions counted over the slots, a window or ALiBi's
+    # distance across a padding gap, or the padding forgotten after the prefill would each fail it
+    enc = decoder(impl, encoding, window)
+    for side in ("left", "right"):
+        prompts, keep, following, alone = padded_batch([3, 7, 10], 10, 6, side)
+        with torch.no_grad():
+            caches = enc.kv_caches(3)
+            h = real_states(enc(prompts, attn_mask=keep, is_causal=True, cache=caches), keep)
+            steps = [enc(following[:, t:t + 1], is_causal=True, cache=caches) for t in range(6)]
+            for b, seq in enumerate(alone):
+                got = torch.cat([h[b]] + [step[b] for step in steps])
+                torch.testing.assert_close(got, enc(seq, is_causal=True)[0], atol=1e-10, rtol=0,
+                                           msg=lambda m: f"{side} padding, row {b}: {m}")
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("encoding", ["rope", "alibi"])
+def test_multihead_attention_decodes_padded_rows_each_as_alone(impl, encoding):
+    # the same at the level of MultiHeadAttention and its KVCache: a right-padded and a left-padded row of x, then
+    # 3 steps, each row's real outputs against the module's whole causal forward on that row alone
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rope = mt.RotaryEmbedding(8, 32) if encoding == "rope" else None
+        mha = randomized(mt.MultiHeadAttention(32, 4, n_kv_heads=2, impl=impl, rope=rope, alibi=encoding == "alibi",
+                                               chunk_size=4, window_size=4).double())
+    x = torch.randn(2, 12, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    keep = torch.stack([mt.padding_mask(torch.tensor([5]), 9)[0], mt.padding_mask(torch.tensor([7]), 9)[0].flip(-1)])
+    prompt = torch.zeros(2, 9, 32, dtype=torch.float64)
+    prompt[0, :5], prompt[1, 2:] = x[0, :5], x[1, :7]
+    following = torch.stack([x[0, 5:8], x[1, 7:10]])
+    with torch.no_grad():
+        cache = mt.KVCache(2, 2, 16, 8, dtype=torch.float64)
+        h = real_states(mha(prompt, keep, is_causal=True, cache=cache), keep)
+        steps = [mha(following[:, t:t + 1], is_causal=True, cache=cache) for t in range(3)]
+        for b, n in enumerate((5, 7)):
+            got = torch.cat([h[b]] + [step[b] for step in steps])
+            torch.testing.assert_close(got, mha(x[b:b + 1, :n + 3], is_causal=True)[0], atol=1e-10, rtol=0)
+
+
+def test_batched_decoding_compiles_to_one_graph_for_every_step():
+    # torch.compile(fullgraph=True) of a decoding step after a left-padded prefill: one graph for all 6 steps, and
+    # every row as alone (float64, 1e-10)
+    from torch._dynamo.testing import CompileCounterWithBackend
+    enc, counter = decoder("chunked", "rope", 3), CompileCounterWithBackend("aot_eager")
+    prompts, keep, following, alone = padded_batch([3, 7, 10], 10, 6, "left")
+    with torch.no_grad():
+        caches = enc.kv_caches(3)
+        h = real_states(enc(prompts, attn_mask=keep, is_causal=True, cache=caches), keep)
+        step = torch.compile(lambda t: enc(t, is_causal=True, cache=caches), backend=counter, fullgraph=True)
+        steps = [step(following[:, t:t + 1]) for t in range(6)]
+        assert counter.frame_count == 1
+        for b, seq in enumerate(alone):
+            torch.testing.assert_close(torch.cat([h[b]] + [s[b] for s in steps]), enc(seq, is_causal=True)[0],
+                                       atol=1e-10, rtol=0)
+
+
+def cache_state(caches):
+    return [(c.k.clone(), c.v.clone(), c.length.clone(), c.pos.clone()) for c in caches]
+
+
+def assert_caches_unchanged(caches, before):
+    for layer, (c, state) in enumerate(zip(caches, before)):
+        for name, now, then in zip(("k", "v", "length", "pos"), (c.k, c.v, c.length, c.pos), state):
+            assert torch.equal(now, then), f"layer {layer}'s {name} changed"
+
+
+def test_every_refused_call_leaves_the_caches_as_they_were():
+    # after a padded prefill and a step, each way a call can be refused, in the Encoder (2 layers) and in one
+    # MultiHeadAttention: every cache's keys, values, length and key padding are as before the call, and a call
+    # after the refusals gives what it gives without them
+    import approximate_attention as aa
+    enc = decoder("chunked", "rope", max_len=12)
+    prompts, keep, following, _ = padded_batch([3, 5], 5, 2, "left")
+    mha = enc.layers[0].self_attn
+
+    def raising(*args, **kw):
+        raise RuntimeError("an attention function that raises")
+    with torch.no_grad():
+        caches, fresh = enc.kv_caches(2), enc.kv_caches(2)
+        for c in (caches, fresh):
+            enc(prompts, attn_mask=keep, is_causal=True, cache=c)
+            enc(following[:, :1], is_causal=True, cache=c)
+        before = cache_state(caches)
+        step = following[:, 1:]
+        refusals = {
+            "not causal": (lambda: enc(step, cache=caches), "a KV cache serves a causal decoder"),
+            "cu_seqlens": (lambda: enc(step, is_causal=True, cu_seqlens=torch.tensor([0, 1]), cache=caches),
+                           "no cu_seqlens or CausalBias"),
+            "positions=": (lambda: enc(step, is_causal=True, positions=torch.tensor([6]), cache=caches),
+                           "a cache places each row's tokens itself"),
+            "a mask of neither reading": (lambda: enc(step, torch.ones(2, 1, 1, 3, dtype=torch.bool), is_causal=True,
+                                                      cache=caches), "key padding, bool \\(2, 1, 1, 1\\), or a mask"),
+            "past max_len": (lambda: enc(torch.ones(2, 7, dtype=torch.long), is_causal=True, cache=caches),
+                             r"KVCache.length after a call of 7 tokens \(max_len=12\) must lie in \[0, 13\), got "
+                             r"min 13 max 13"),
+            "bad token ids": (lambda: enc(step + 100, is_causal=True, cache=caches), "token ids must lie in"),
+            "under autograd": (lambda: torch.enable_grad()(enc)(step, is_causal=True, cache=caches),
+                               "a KV cache serves inference"),
+        }
+        for window in (-1, 2.5, "3"):
+            refusals[f"window_size={window!r}"] = (lambda w=window: setattr(mha, "window_size", w) or enc(
+                step, is_causal=True, cache=caches), "window_size must be a non-negative int")
+        refusals["an attention function that raises, in the last layer"] = (
+            lambda: setattr(enc.layers[1].self_attn, "impl", raising) or enc(step, is_causal=True, cache=caches),
+            "an attention function that raises")
+        strided = aa.StridedAttention(4)  # refuses what the cache hands it
+        refusals["strided attention, refusing"] = (
+            lambda: setattr(enc.layers[1].self_attn, "impl", lambda *a, **kw: strided(*a, **kw)) or enc(
+                step, is_causal=True, cache=caches), "StridedAttention takes")
+        refusals["a cache of another dtype, in the last layer"] = (
+            lambda: enc(step, is_causal=True, cache=[caches[0], mt.KVCache(2, 2, 12, 8)]), "takes keys of its")
+        for what, (call, message) in refusals.items():
+            with pytest.raises((ValueError, RuntimeError, TypeError), match=message):
+                call()
+            mha.window_size, enc.layers[1].self_attn.impl = 3, "chunked"
+            assert_caches_unchanged(caches, before), what
+        with pytest.raises(ValueError, match="a KV cache serves inference"):  # one module, its own checks
+            torch.enable_grad()(mha)(torch.randn(2, 1, 32, dtype=torch.float64, requires_grad=True),
+                                     is_causal=True, cache=caches[0])
+        mha.impl = raising
+        with pytest.raises(RuntimeError, match="an attention function that raises"):
+            mha(torch.randn(2, 1, 32, dtype=torch.float64), is_causal=True, cache=caches[0])
+        mha.impl = "chunked"
+        assert_caches_unchanged(caches, before)
+        torch.testing.assert_close(enc(step, is_causal=True, cache=caches), enc(step, is_causal=True, cache=fresh),
+                                   atol=0, rtol=0)
+
+
+def test_positions_past_a_shorter_table_are_refused_by_name():
+    # a cache longer than the model's positional table: the token past the table is refused by name, before
+    # anything is written, for the embedding's table and RoPE's
+    for encoding in ("sinusoidal", "learned", "rope"):
+        enc = decoder("naive", encoding, max_len=4)
+        caches = [mt.KVCache(1, 2, 8, 8, dtype=torch.float64) for _ in enc.layers]
+        with torch.no_grad():
+            enc(torch.ones(1, 4, dtype=torch.long), is_causal=True, cache=caches)
+            before = cache_state(caches)
+            with pytest.raises(ValueError, match=r"positions \(the table's max_len: 4\) must lie in \[0, 4\), got "
+                                                 r"min 4 max 4"):
+                enc(torch.ones(1, 1, dtype=torch.long), is_causal=True, cache=caches)
+        assert_caches_unchanged(caches, before)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_rolling_back_drops_each_row_own_tokens(side):
+    # speculative decoding: after a padded prefill, decode 5 draft tokens, drop the last 3 from every cache and decode
+    # 3 others; the same hidden states as decoding the 2 kept and the 3 others directly (float64, 1e-10). Then a
+    # right-padded prefill rolled back into its padding: each row's position goes back by its real tokens only
+    enc = decoder("chunked", "rope", 3)
+    prompts, keep, draft, _ = padded_batch([3, 7], 7, 5, side)
+    others = torch.randint(1, 20, (2, 3), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        caches, direct = enc.kv_caches(2), enc.kv_caches(2)
+        for c, tokens in ((caches, draft), (direct, draft[:, :2])):
+            enc(prompts, attn_mask=keep, is_causal=True, cache=c)
+            enc(tokens, is_causal=True, cache=c)
+        for c in caches:
+            c.rollback(3)
+        for t in range(3):
+            torch.testing.assert_close(enc(others[:, t:t + 1], is_causal=True, cache=caches),
+                                       enc(others[:, t:t + 1], is_causal=True, cache=direct), atol=1e-10, rtol=0)
+        prompts, keep, _, alone = padded_batch([3, 7], 7, 0, "right")
+        for c in caches:
+            c.reset()
+        enc(prompts, attn_mask=keep, is_causal=True, cache=caches)
+        for c in caches:
+            c.rollback(4)  # row 0: 4 slots of padding; row 1: its last 4 tokens
+        h = enc(others[:, :1], is_causal=True, cache=caches)
+        for b, n in enumerate((3, 3)):
+            seq = torch.cat([alone[b][:, :n], others[b:b + 1, :1]], 1)
+            torch.testing.assert_close(h[b, 0], enc(seq, is_causal=True)[0, -1], atol=1e-10, rtol=0)
+        before = cache_state(caches)
+        with pytest.raises(ValueError, match=r"the slots written less the 5 to drop must lie in \[0, inf\), got "
+                                             r"min -1 max -1"):
+            caches[0].rollback(5)
+        with pytest.raises(ValueError, match=r"rollback\(n\) drops n slots, a non-negative int: got -1"):
+            caches[0].rollback(-1)
+        assert_caches_unchanged(caches, before)
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
+def test_bottom_right_causality_with_key_padding_without_a_cache(impl):
+    # the documented way (mask_block's docstring, the README): a CausalBias cannot carry a mask, so a prefill chunk
+    # after Lk - Lq keys with key padding takes mask_block(keep, ..., is_causal=True, shift=Lk - Lq) as attn_mask
+    Lq, Lk = 6, 15
+    q, k, v = make_qkv(2, 2, Lq, Lk, 8, seed=9)
+    keep = mt.padding_mask(torch.tensor([15, 9]), Lk)
+    mask = mt.mask_block(keep, slice(0, Lq), slice(0, Lk), is_causal=True, shift=Lk - Lq)
+    dout = torch.randn(2, 2, Lq, 8, dtype=torch.float64)
+    ref = grads_of(lambda q, k, v: decoder_ref(q, k, v, Lk - Lq, keep=keep), q, k, v, dout)
+    ours = grads_of(lambda q, k, v: run_path(impl, q, k, v, attn_mask=mask), q, k, v, dout)
+    assert_grads_close(ours, ref, 1e-10, impl)
 
 
 def test_chunked_gqa_holds_no_repeated_kv():
