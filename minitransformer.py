@@ -29,6 +29,7 @@ Where each idea of a Transformer tutorial lives, in the order of the file:
                                         chunked and flash; the ring refuses it)
     encoder layer: residuals, LayerNorm EncoderLayer (post-LN as in the paper, or pre-LN), Encoder
     attention heatmaps                  Encoder.attention_weights, save_heatmap
+    decoding: KV cache, grouped heads   KVCache (batched prompts, rollback), Encoder.kv_caches, n_kv_heads
     mixed precision                     _train (autocast), optimizer_step (GradScaler): --amp bf16 or fp16
     gradient clipping                   optimizer_step: the gradients unscaled first, then clipped
     learning-rate warm-up               lr_factor: linear warm-up, then cosine decay
@@ -185,13 +186,13 @@ def _grouped(q, k, v, attn_mask):
                         f"{' under autocast' * autocast}; 16 bits: chunked_attention (FlashAttention-2's)")
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         raise TypeError(f"attn_mask must be bool, True where a query may attend, got {attn_mask.dtype}")
-    if not q.dim() == k.dim() == v.dim() or (q.dim() > 2 and q.size(-3) % k.size(-3)):
+    if not (q.dim() == k.dim() == v.dim()) or (q.dim() == 4 and q.size(1) % k.size(1)):
         raise ValueError(f"k and v must have q's number of dimensions, and heads that divide q's: got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    G = q.size(-3) // k.size(-3) if q.dim() > 2 else 1
-    keep = None if attn_mask is None else attn_mask.expand(*q.shape[:-1], k.size(-2))
-    q, keep = (None if t is None else t.reshape(*t.shape[:-3], -1, G, *t.shape[-2:]) for t in (q, keep))
-    return q, k.unsqueeze(-3), v.unsqueeze(-3), keep
+    G = q.size(1) // k.size(1) if q.dim() == 4 else 1  # query heads a K/V head serves: (B, H, L, D) only
+    group = lambda t: t.reshape(*t.shape[:-3], -1, G, *t.shape[-2:])  # (.., H, L, n) -> (.., H_kv, G, L, n)
+    keep = None if attn_mask is None else group(attn_mask.expand(*q.shape[:-1], k.size(-2)))
+    return group(q), k.unsqueeze(-3), v.unsqueeze(-3), keep
 
 
 def _blocks(L, size):
@@ -203,7 +204,7 @@ def _blocks(L, size):
 # -----------------------------------------------------------------------------
 # The model: multi-head attention, positional encodings, the encoder layer, the config and the encoder. Its
 # attention goes through attention(), a path of the appendix (impl=) or a function of yours; it also uses the
-# appendix's padding_mask, documents, mask_block, naive_attention and the checks.
+# appendix's documents, mask_block, naive_attention and the checks.
 
 IMPLS = ("naive", "chunked", "flash")
 POS_ENCODINGS = ("sinusoidal", "learned", "rope", "alibi")
@@ -214,7 +215,7 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     """softmax(Q K^T * scale + M) V, as the core computes it, through impl: one of IMPLS (the appendix's
     paths), or a function with their arguments (ring_attention.ring_impl, approximate_attention's modules).
 
-    q (B, H, Lq, D), k and v (B, H, Lk, D or Dv) -> (B, H, Lq, Dv). attn_mask: bool, True where a query may
+    q (B, H, Lq, D), k and v (B, H_kv, Lk, D or Dv) -> (B, H, Lq, Dv). attn_mask: bool, True where a query may
     attend, or float, added to the scores, broadcast to (B, H, Lq, Lk); is_causal: query i sees keys j <= i.
     The rest (local windows, packed documents, ALiBi, fewer K/V heads, a decoder's causality) and the
     conventions every path keeps: the appendix's header."""
@@ -244,8 +245,7 @@ class MultiHeadAttention(nn.Module):
     q's rows, k's, then v's. n_kv_heads below n_heads: grouped-query attention (1: multi-query), query head
     h reading K/V head h // (n_heads / n_kv_heads), as Llama's repeat_kv (x-transformers: h % n_kv_heads).
     impl: one of IMPLS, or an attention function (see attention()). rope: an optional RotaryEmbedding for q
-    and k of every head; alibi: ALiBi's bias in every head (alibi_slopes, float32 whatever the module's).
-    """
+    and k of every head; alibi: ALiBi's bias in every head (alibi_slopes, float32 whatever the module's)."""
 
     def __init__(self, d_model, n_heads, dropout=0.0, bias=True, impl="flash", *, chunk_size=None,
                  window_size=None, rope=None, alibi=False, n_kv_heads=None):
@@ -327,10 +327,10 @@ class KVCache:
     """A causal decoder's keys and values so far, for one MultiHeadAttention, made once so that a compiled
     step has one shape, one graph and no host read: k, v (B, n_kv_heads, max_len, hs); `length`, the slots
     written in every row; `pos` (B, max_len), where each slot's token sits, counting its row's real tokens
-    (Hugging Face's cumsum(mask) - 1), or max_len, after every query. attn_mask: a call's key padding, (B, 1,
-    1, T) bool, which the cache keeps; or a mask over the max_len slots, for that call (T = max_len: a (B, 1,
-    1, T) bool mask is key padding). A call that raises leaves the cache as it was on a CPU in eager mode;
-    compiled or on CUDA a device-side assert may stand in, the cache then unspecified."""
+    (Hugging Face's cumsum(mask) - 1), or max_len: none, after every query. attn_mask: a call's key padding,
+    (B, 1, 1, T) bool, which the cache keeps, or a mask over the max_len slots for that call (T = max_len: key
+    padding). A call that raises leaves the cache as it was on a CPU in eager mode (compiled or on CUDA, a
+    device-side assert may stand in, the cache then unspecified)."""
 
     def __init__(self, batch_size, n_kv_heads, max_len, head_size, device=None, dtype=None):
         self.k = torch.zeros(batch_size, n_kv_heads, max_len, head_size, device=device, dtype=dtype)
@@ -361,9 +361,9 @@ class KVCache:
     def update(self, k, v, positions, attn_mask=None, window_size=None, alibi_slopes=None):
         """Write k, v (B, n_kv_heads, T, hs) into the next T slots; return all of k and v, and the mask
         through which queries at `positions` (B, T) see them (ALiBi's slopes: (1, H, 1, 1))."""
-        if k.shape[:2] != self.k.shape[:2] or k.dtype != self.k.dtype:
-            raise ValueError(f"a cache of {tuple(self.k.shape)} {self.k.dtype} takes keys of its (B, H_kv) "
-                             f"and dtype: got {tuple(k.shape)} {k.dtype}")
+        if any(t.shape[:2] != self.k.shape[:2] or t.dtype != self.k.dtype for t in (k, v)):
+            raise ValueError(f"a cache of {tuple(self.k.shape)} {self.k.dtype} takes its (B, H_kv) and "
+                             f"dtype: got k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype}")
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):  # its graph would grow each step
             raise ValueError("a KV cache serves inference: decode under torch.no_grad() (or inference_mode)")
         T, (real, over_slots) = k.size(-2), self._read(attn_mask, k.size(-2))
@@ -381,7 +381,7 @@ class KVCache:
         (B, L), shape = self.pos.shape, tuple(getattr(attn_mask, "shape", ()))
         if shape[1:] == (1, 1, T) and shape[0] in (1, B) and attn_mask.dtype == torch.bool:
             return attn_mask[:, 0, 0], None
-        if attn_mask is not None and shape[-1:] != (L,):
+        if attn_mask is not None and (len(shape) != 4 or shape[-1] != L):
             raise ValueError(f"with a KV cache, attn_mask is a call's key padding, bool ({B}, 1, 1, {T}), or "
                              f"a mask over its max_len={L} slots, (.., {L}); got {attn_mask.dtype} {shape}")
         return self.pos.new_ones(1, T, dtype=torch.bool), attn_mask
@@ -391,10 +391,9 @@ class KVCache:
 def _all_or_nothing(caches, T):
     """If the with-block raises, every KVCache of caches (None: none) is left as it was: its length and the
     keys, values and positions of the T slots it may write (clamped to max_len). Not under torch.compile."""
-    saved = []
-    for c in [] if torch.compiler.is_compiling() else [c for c in caches if c is not None]:
-        slots = (c.length + torch.arange(T, device=c.length.device)).clamp(max=c.pos.size(-1) - 1)  # (T,)
-        saved.append((c, slots, c.length.clone(), c.k[:, :, slots], c.v[:, :, slots], c.pos[:, slots]))
+    caches = [] if torch.compiler.is_compiling() else [c for c in caches if c is not None]
+    slots = [(c.length + torch.arange(T, device=c.k.device)).clamp(max=c.pos.size(-1) - 1) for c in caches]
+    saved = [(c, s, c.length.clone(), c.k[:, :, s], c.v[:, :, s], c.pos[:, s]) for c, s in zip(caches, slots)]
     try:
         yield
     except BaseException:
@@ -634,16 +633,16 @@ class Encoder(nn.Module):
 
     def forward(self, idx, attn_mask=None, is_causal=False, positions=None, cu_seqlens=None, cache=None):
         """positions: the (T,) positions of idx's tokens (default 0 .. T-1), as for a shard of a longer
-        sequence (ring_attention.ShardedEncoder). cu_seqlens: every row packs these documents (documents()),
-        each encoded as if alone, its positions restarting at 0. cache: a KVCache per layer (kv_caches()), for
-        a causal decoder fed a few tokens at a time, each row's continuing its own positions (see KVCache)."""
-        _check_caches(self, cache)
+        sequence (ring_attention.ShardedEncoder). cu_seqlens: documents packed in every row (documents()),
+        each encoded as if alone. cache: a KVCache per layer (kv_caches()), for a causal decoder (see
+        KVCache)."""
+        _check_caches(self, idx, cache)
         if (positions is None) and (cu_seqlens is not None) and (self.config.pos_encoding != "alibi"):
-            positions = documents(cu_seqlens, idx.size(1), idx.device)[1]  # (T,): each document's own
+            positions = documents(cu_seqlens, idx.size(1), idx.device)[1]  # (T,): ALiBi reads the documents
         caches = [None] * len(self.layers) if cache is None else cache
         with _all_or_nothing(caches, idx.size(1)):  # a call that raises leaves every cache as it was
             x = self._embed(idx, positions if (cache is None) else cache[0].positions(idx.size(1), attn_mask))
-            for layer, layer_cache in zip(self.layers, caches):
+            for layer, layer_cache in zip(self.layers, caches):  # each layer's cache places its tokens
                 x = layer(x, attn_mask, is_causal, positions, cu_seqlens, layer_cache)
         return self.norm(x)
 
@@ -1148,12 +1147,13 @@ def parse_args(argv=None):
 #   SDPA refuses them; is_causal with an attn_mask applies both (SDPA's math kernel refuses the pair);
 # - window_size=w: query i sees keys with |i - j| <= w (with is_causal: 0 <= i - j <= w);
 # - cu_seqlens, packed documents (self-attention): query i sees only the keys of its own document;
+# - alibi_slopes: ALiBi's bias, -slope * |i - j|; enable_gqa: k, v of H_kv heads, query head h reading h // G;
+# - SDPA's CausalBias as attn_mask: causal_lower_right(Lq, Lk) aligns causality, window, ALiBi bottom-right;
 # - dropout_p, scale, and under autocast float32 q, k, v computed and returned in autocast's dtype;
 # - in float16 and bfloat16 FlashAttention's rule: an error against float64 at most twice that of
 #   standard attention computed in the inputs' dtype;
-# - torch.compile(fullgraph=True), and no host-device sync in forward or backward: off the CPU no device
-#   tensor is read on the host (cu_seqlens lives on the CPU; a CPU has no device to wait for: there the checks
-#   read values to name them, and flash looks at a float mask for far rows).
+# - torch.compile(fullgraph=True), and no host-device sync: off the CPU no device tensor is read on the host
+#   (a CPU has none to wait for: there the checks read values to name them, flash looks for far rows).
 
 # Masks: which keys a query sees, and ALiBi's bias. One visibility rule (causality, window, documents,
 # attn_mask, ALiBi) serves every path: naive and flash ask mask_block for the whole score matrix, chunked
@@ -1932,10 +1932,12 @@ def _check_mha_call(mha, x, attn_mask, is_causal, need_weights, positions, cu_se
     if x.dim() != 3 or x.size(-1) != mha.d_model:
         raise ValueError(f"expected x of shape (B, T, {mha.d_model}), got {tuple(x.shape)}")
     if cache is not None:
-        if not is_causal or cu_seqlens is not None or isinstance(attn_mask, CausalBias):
-            raise ValueError(f"a KV cache serves a causal decoder (is_causal=True), its mask bottom-right: "
-                             f"no cu_seqlens or CausalBias; got is_causal={is_causal}, cu_seqlens="
-                             f"{cu_seqlens is not None}, attn_mask={type(attn_mask).__name__}")
+        if (not is_causal) or (cu_seqlens is not None) or isinstance(attn_mask, CausalBias) or (
+                len(x) != len(cache.k)):
+            raise ValueError(f"a KV cache serves a causal decoder (is_causal=True), its rows x's, no "
+                             f"cu_seqlens or CausalBias; got is_causal={is_causal}, rows "
+                             f"{len(x)}/{len(cache.k)}, cu_seqlens={cu_seqlens is not None}, "
+                             f"{type(attn_mask).__name__}")
         _check_window(mha.window_size)  # the cache's mask takes it, not a path that would check it
         if (attn_mask is not None) and (cache._read(attn_mask, x.size(1))[1] is not None):  # over the slots
             _check_mask(attn_mask, x, (x.size(0), mha.n_heads, x.size(1), cache.pos.size(-1)))
@@ -1949,10 +1951,11 @@ def _check_mha_call(mha, x, attn_mask, is_causal, need_weights, positions, cu_se
                          "not with an attention function as impl (a ring sees a shard only)")
 
 
-def _check_caches(enc, cache):
-    if (cache is not None) and (len(cache) != len(enc.layers) or len({id(c) for c in cache}) != len(cache)):
-        raise ValueError(f"cache holds {len(cache)} KVCaches, {len({id(c) for c in cache})} of them "
-                         f"distinct, for {len(enc.layers)} layers: one of its own a layer (kv_caches())")
+def _check_caches(enc, idx, cache):  # one KVCache a layer, each of idx's rows (else positions broadcast)
+    distinct, rows = len({id(c) for c in cache or ()}), {c.k.size(0) for c in cache or ()}
+    if cache is not None and (len(cache) != len(enc.layers) or distinct != len(cache) or rows != {len(idx)}):
+        raise ValueError(f"cache holds {len(cache)} KVCaches, {distinct} of them distinct, of {rows} rows, "
+                         f"for {len(enc.layers)} layers and {len(idx)} rows of idx: one of its own a layer")
 
 
 def _check_alibi(slopes, q):

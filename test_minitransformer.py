@@ -292,6 +292,8 @@ def test_core_refuses_a_kv_of_another_rank(core):
         CORE[core](q, k, v[:, 0])
     with pytest.raises(ValueError, match=r"heads that divide q's: got q \(2, 4, 5, 8\), k \(2, 3, 5, 8\)"):
         CORE[core](q, k[:, :3], v[:, :3])
+    with pytest.raises(RuntimeError, match="must match"):  # (B, L, D): a batch of 4 against one of 2, no heads
+        CORE[core](q[:, 0].repeat(2, 1, 1), k[:, 0], v[:, 0])
 
 
 CORE_CHECK = """
@@ -1709,9 +1711,9 @@ def test_the_encoder_refuses_one_cache_for_two_layers():
     cfg = mt.EncoderConfig(vocab_size=20, max_len=8, d_model=64, n_heads=2, n_layers=2, d_ff=32)
     enc = mt.Encoder(cfg).eval()
     cache = enc.kv_caches(1)
-    with torch.no_grad(), pytest.raises(ValueError, match="cache holds 2 KVCaches, 1 of them distinct, for 2 layers"):
+    with torch.no_grad(), pytest.raises(ValueError, match=r"cache holds 2 KVCaches, 1 of them distinct, of \{1\} rows, for 2 layers"):
         enc(torch.zeros(1, 1, dtype=torch.long), is_causal=True, cache=[cache[0], cache[0]])
-    with torch.no_grad(), pytest.raises(ValueError, match="cache holds 1 KVCaches, 1 of them distinct, for 2 layers"):
+    with torch.no_grad(), pytest.raises(ValueError, match=r"cache holds 1 KVCaches, 1 of them distinct, of \{1\} rows, for 2 layers"):
         enc(torch.zeros(1, 1, dtype=torch.long), is_causal=True, cache=cache[:1])
 
 
@@ -1860,6 +1862,10 @@ def test_every_refused_call_leaves_the_caches_as_they_were():
                            "a cache places each row's tokens itself"),
             "a mask of neither reading": (lambda: enc(step, torch.ones(2, 1, 1, 3, dtype=torch.bool), is_causal=True,
                                                       cache=caches), "key padding, bool \\(2, 1, 1, 1\\), or a mask"),
+            "a 1-D mask over the slots": (lambda: enc(step, torch.ones(12, dtype=torch.bool), is_causal=True,
+                                                      cache=caches), "or a mask over its max_len=12 slots"),
+            "a batch of another size": (lambda: enc(step[:1], is_causal=True, cache=caches),
+                                        r"cache holds 2 KVCaches, 2 of them distinct, of \{2\} rows, for 2 layers and 1"),
             "past max_len": (lambda: enc(torch.ones(2, 7, dtype=torch.long), is_causal=True, cache=caches),
                              r"KVCache.length after a call of 7 tokens \(max_len=12\) must lie in \[0, 13\), got "
                              r"min 13 max 13"),
@@ -1878,7 +1884,7 @@ def test_every_refused_call_leaves_the_caches_as_they_were():
             lambda: setattr(enc.layers[1].self_attn, "impl", lambda *a, **kw: strided(*a, **kw)) or enc(
                 step, is_causal=True, cache=caches), "StridedAttention takes")
         refusals["a cache of another dtype, in the last layer"] = (
-            lambda: enc(step, is_causal=True, cache=[caches[0], mt.KVCache(2, 2, 12, 8)]), "takes keys of its")
+            lambda: enc(step, is_causal=True, cache=[caches[0], mt.KVCache(2, 2, 12, 8)]), "takes its \\(B, H_kv\\) and dtype")
         for what, (call, message) in refusals.items():
             with pytest.raises((ValueError, RuntimeError, TypeError), match=message):
                 call()
@@ -1887,6 +1893,10 @@ def test_every_refused_call_leaves_the_caches_as_they_were():
         with pytest.raises(ValueError, match="a KV cache serves inference"):  # one module, its own checks
             torch.enable_grad()(mha)(torch.randn(2, 1, 32, dtype=torch.float64, requires_grad=True),
                                      is_causal=True, cache=caches[0])
+        with pytest.raises(ValueError, match=r"its rows x's.*rows 1/2"):  # one module, a batch of another size
+            mha(torch.randn(1, 1, 32, dtype=torch.float64), is_causal=True, cache=caches[0])
+        with pytest.raises(ValueError, match=r"takes its \(B, H_kv\) and dtype: got k .*float64, v .*float32"):
+            caches[0].update(caches[0].k[:, :, :1], caches[0].v[:, :, :1].float(), torch.zeros(2, 1).long())
         mha.impl = raising
         with pytest.raises(RuntimeError, match="an attention function that raises"):
             mha(torch.randn(2, 1, 32, dtype=torch.float64), is_causal=True, cache=caches[0])
