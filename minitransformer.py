@@ -55,19 +55,21 @@ import collections
 import contextlib
 import functools
 import gc
+import inspect
 import math
 import os
 import re
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
-from typing import Optional
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 from torch.nn.attention.bias import CausalBias, CausalVariant
+from torch.nn.attention.flex_attention import AuxOutput, BlockMask
 
 # core begins
 # Attention in its plainest correct form, forward and backward. Conventions are those of PyTorch's
@@ -211,17 +213,23 @@ POS_ENCODINGS = ("sinusoidal", "learned", "rope", "alibi")
 
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, impl="flash",
-              window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None, enable_gqa=False):
+              window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None, enable_gqa=False,
+              score_mod=None):
     """softmax(Q K^T * scale + M) V, as the core computes it, through impl: one of IMPLS (the appendix's
     paths), or a function with their arguments (ring_attention.ring_impl, approximate_attention's modules).
 
     q (B, H, Lq, D), k and v (B, H_kv, Lk, D or Dv) -> (B, H, Lq, Dv). attn_mask: bool, True where a query may
     attend, or float, added to the scores, broadcast to (B, H, Lq, Lk); is_causal: query i sees keys j <= i.
     The rest (local windows, packed documents, ALiBi, fewer K/V heads, a decoder's causality) and the
-    conventions every path keeps: the appendix's header."""
+    conventions every path keeps: the appendix's header. FlexAttention's mods, a score_mod and a BlockMask as
+    attn_mask, run on the chunked path whatever impl says (flex_attention)."""
     kw = dict(window_size=window_size, cu_seqlens=cu_seqlens)
     kw |= {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}  # a function without it still runs
     kw |= {"enable_gqa": True} if enable_gqa else {}
+    if (score_mod is not None) or isinstance(attn_mask, BlockMask):
+        if callable(impl):
+            raise ValueError("score_mod and a BlockMask run on the chunked path: not with a function as impl")
+        impl, kw["score_mod"] = "chunked", score_mod
     if callable(impl):
         return impl(q, k, v, attn_mask, dropout_p, is_causal, scale, **kw)
     if impl == "naive":
@@ -245,10 +253,11 @@ class MultiHeadAttention(nn.Module):
     q's rows, k's, then v's. n_kv_heads below n_heads: grouped-query attention (1: multi-query), query head
     h reading K/V head h // (n_heads / n_kv_heads), as Llama's repeat_kv (x-transformers: h % n_kv_heads).
     impl: one of IMPLS, or an attention function (see attention()). rope: an optional RotaryEmbedding for q
-    and k of every head; alibi: ALiBi's bias in every head (alibi_slopes, float32 whatever the module's)."""
+    and k of every head; alibi: ALiBi's bias in every head (alibi_slopes, float32 whatever the module's);
+    score_mod: FlexAttention's, a function or a module (its parameters then this one's: a learned bias)."""
 
     def __init__(self, d_model, n_heads, dropout=0.0, bias=True, impl="flash", *, chunk_size=None,
-                 window_size=None, rope=None, alibi=False, n_kv_heads=None):
+                 window_size=None, rope=None, alibi=False, n_kv_heads=None, score_mod=None):
         super().__init__()
         if d_model % n_heads != 0:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
@@ -262,7 +271,7 @@ class MultiHeadAttention(nn.Module):
                           "fine for small test models, weak for real ones", stacklevel=2)
         self.d_model, self.n_heads, self.n_kv_heads, self.dropout = d_model, n_heads, n_kv_heads, dropout
         self.impl, self.chunk_size, self.window_size = impl, chunk_size, window_size
-        self.rope, self.alibi = rope, alibi
+        self.rope, self.alibi, self.score_mod = rope, alibi, score_mod
         self.qkv = nn.Linear(d_model, d_model + 2 * n_kv_heads * (d_model // n_heads), bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
 
@@ -271,9 +280,9 @@ class MultiHeadAttention(nn.Module):
         """x (B, T, C) -> (B, T, C), and with need_weights also the weights (B, nh, T, Lk) (the naive path).
 
         attn_mask: bool, True where a query may attend, or float, added to the scores, broadcast to (B, nh, T,
-        T): key padding is (B, 1, 1, T). is_causal: query i sees keys j <= i. positions: the (T,) positions of
-        x's rows, for RoPE (default 0 .. T-1, or each document's of cu_seqlens). cache: a causal decoder's
-        KVCache, which reads attn_mask and places the tokens. Checks: _check_mha_call."""
+        T): key padding is (B, 1, 1, T); or FlexAttention's BlockMask. is_causal: query i sees keys j <= i.
+        positions: the (T,) positions of x's rows, for RoPE (default 0 .. T-1, or each document's of
+        cu_seqlens). cache: a causal decoder's KVCache, which reads attn_mask and places the tokens."""
         _check_mha_call(self, x, attn_mask, is_causal, need_weights, positions, cu_seqlens, cache)
         B, T, C = x.size()
         nh, nkv, hs = self.n_heads, self.n_kv_heads, C // self.n_heads
@@ -299,7 +308,7 @@ class MultiHeadAttention(nn.Module):
                 y, weights = naive_attention(q, k, v, attn_mask, p, is_causal, **kw)
             else:
                 y = attention(q, k, v, attn_mask, p, is_causal, impl=self.impl, chunk_size=self.chunk_size,
-                              **kw)
+                              score_mod=self.score_mod, **kw)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
         return (self.proj(y), weights) if need_weights else self.proj(y)
 
@@ -496,13 +505,13 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, d_model, n_heads, d_ff, dropout=0.1, norm_first=False, activation="relu", impl="flash",
                  layer_norm_eps=1e-5, *, bias=True, chunk_size=None, window_size=None, rope=None,
-                 alibi=False, n_kv_heads=None):
+                 alibi=False, n_kv_heads=None, score_mod=None):
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be one of {tuple(_ACTIVATIONS)}, got {activation!r}")
         self.self_attn = MultiHeadAttention(d_model, n_heads, dropout, bias, impl, chunk_size=chunk_size,
                                             window_size=window_size, rope=rope, alibi=alibi,
-                                            n_kv_heads=n_kv_heads)
+                                            n_kv_heads=n_kv_heads, score_mod=score_mod)
         self.linear1 = nn.Linear(d_model, d_ff, bias=bias)
         self.linear2 = nn.Linear(d_ff, d_model, bias=bias)
         self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
@@ -585,11 +594,11 @@ class EncoderConfig:
 class Encoder(nn.Module):
     """Token ids (B, T) -> hidden states (B, T, d_model).
 
-    h = PosEnc(Embed(idx) * sqrt(d_model)), then n_layers EncoderLayers, then a final
-    LayerNorm for pre-LN (post-LN layers already end in one).
+    h = PosEnc(Embed(idx) * sqrt(d_model)), then n_layers EncoderLayers, then a final LayerNorm for pre-LN
+    (post-LN layers already end in one). score_mod: FlexAttention's, every layer's (a module: a learned bias).
     """
 
-    def __init__(self, config):
+    def __init__(self, config, score_mod=None):
         super().__init__()
         self.config = c = config
         self.embed = nn.Embedding(c.vocab_size, c.d_model)
@@ -603,7 +612,7 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(
             EncoderLayer(c.d_model, c.n_heads, c.d_ff, c.dropout, c.norm_first, c.activation, c.impl,
                          c.layer_norm_eps, chunk_size=c.chunk_size, window_size=c.window_size, rope=rope,
-                         alibi=c.pos_encoding == "alibi", n_kv_heads=c.n_kv_heads)
+                         alibi=c.pos_encoding == "alibi", n_kv_heads=c.n_kv_heads, score_mod=score_mod)
             for _ in range(c.n_layers))
         self.norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps) if c.norm_first else nn.Identity()
         self.apply(self._init_weights)
@@ -1160,12 +1169,6 @@ def parse_args(argv=None):
 # for one block at a time, visiting only the key blocks that the rule leaves visible (_key_blocks).
 
 
-def causal_mask(Lq, Lk=None, device=None):
-    """Boolean (Lq, Lk) mask, True where key j <= query i (SDPA's top-left alignment)."""
-    Lk = Lq if Lk is None else Lk
-    return torch.ones(Lq, Lk, dtype=torch.bool, device=device).tril()
-
-
 def padding_mask(lengths, max_len, device=None):
     """Boolean (B, 1, 1, max_len) mask, True on the first lengths[b] keys of sequence b.
 
@@ -1251,10 +1254,10 @@ def mask_block(attn_mask, rows, cols, *, is_causal=False, shift=0, positions=Non
     return m & keep if m.dtype == torch.bool else m.masked_fill(~keep, float("-inf"))
 
 
-def _key_blocks(rows, Lk, ck, is_causal, window_size, offsets=None, shift=0):
+def _key_blocks(rows, Lk, ck, is_causal, window_size, offsets=None, shift=0, plan=None):
     """Slices of the key blocks of size ck that queries `rows` (at key positions i + shift) can see: blocks
     that causality, the window or documents (offsets: cu_seqlens as a list) hide are never computed, and the
-    visited range is cut to the visible keys."""
+    visited range is cut to the visible keys; plan: a BlockMask's, the blocks some (b, h) sees."""
     lo, hi = 0, Lk
     if is_causal:
         hi = min(hi, rows.stop + shift)  # keys j <= i + shift < rows.stop + shift
@@ -1263,6 +1266,8 @@ def _key_blocks(rows, Lk, ck, is_causal, window_size, offsets=None, shift=0):
     if offsets is not None:  # from the start of the first query's document to the end of the last query's:
         lo = max(lo, offsets[bisect.bisect_right(offsets, rows.start) - 1])  # the last offset <= rows.start
         hi = min(hi, offsets[bisect.bisect_left(offsets, rows.stop)])  # the first offset >= rows.stop
+    if plan is not None:  # its own blocks, whole, where they meet that range
+        return [slice(k0, min(k0 + ck, Lk)) for k0 in plan.get(rows.start, ()) if lo < k0 + ck and k0 < hi]
     return [slice(k0, min(k0 + ck, hi)) for k0 in range(lo, hi, ck)]
 
 
@@ -1362,7 +1367,7 @@ def attend_block(q, k, v, rows, o, m, l, opts):
     """
     q_i = _per_kv_head(q[:, :, rows], k)  # (B, H_kv, G * cq, D)
     for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size, opts.offsets,
-                            opts.shift):
+                            opts.shift, opts.plan):
         s = _scores(q_i, k, rows, cols, opts)  # (B, H, cq, ck)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         # a row masked so far has m_new = -inf, and exp2(-inf - (-inf)) = NaN: the lowest
@@ -1420,8 +1425,9 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
         delta = delta - opts.dlse[:, :, rows]
     q_i, dout_i = _per_kv_head(q[:, :, rows], k), _per_kv_head(dout_i, k)  # (B, H_kv, G * cq, D or Dv)
     for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size, opts.offsets,
-                            opts.shift):
-        p = _scores(q_i, k, rows, cols, opts).sub_(m).sub_(log2_l).exp2_()  # P_j (B, H, cq, ck)
+                            opts.shift, opts.plan):
+        s, pullback = _scores(q_i, k, rows, cols, opts, backward=True)
+        p = s.sub_(m).sub_(log2_l).exp2_()  # P_j (B, H, cq, ck)
         dp = _matmul(dout_i, v[:, :, cols].transpose(-2, -1)).view(p.shape)  # (B, H, cq, ck)
         p_dropped = p
         if opts.dropout_p > 0.0:  # the forward's mask
@@ -1430,6 +1436,8 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
             _drop(dp, keep).mul_(1.0 / (1.0 - opts.dropout_p))
         dv[:, :, cols] += _matmul(_per_kv_head(p_dropped.to(q.dtype), k).transpose(-2, -1), dout_i)  # over G
         ds = p.mul_(dp.sub_(delta))  # dS_j
+        if pullback is not None:  # back through score_mod; the tensors it reads get theirs (_pullback)
+            ds = pullback(ds)
         ds_low = _per_kv_head(ds.to(q.dtype), k)  # rounded to the inputs' dtype for the products, as P is
         dq[:, :, rows] += _matmul(ds_low, k[:, :, cols]).view(p.shape[:-1] + (-1,))
         dk[:, :, cols] += _matmul(ds_low.transpose(-2, -1), q_i)
@@ -1457,7 +1465,7 @@ def default_chunk_size(device):
 
 def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
                       window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None,
-                      enable_gqa=False, return_lse=False):
+                      enable_gqa=False, return_lse=False, score_mod=None):
     """softmax(Q K^T * scale + M) V, the same result as naive_attention, in O(L) memory.
 
     chunk_size: int or (query block, key block); None: default_chunk_size. Blocks that causality (top-left,
@@ -1466,17 +1474,60 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     repeated. Gradients flow to q, k, v and to a float attn_mask that requires grad; dropout's seed is drawn
     from the device's generator. return_lse: also lse = log sum_j exp(S_ij), (B, H, Lq), float32 or wider,
     -inf where a query sees no key, differentiable: attention over disjoint sets of keys merges exactly by it,
-    as strided attention does (the ring's steps merge by the same rule, inside the block update)."""
+    as strided attention does (the ring's steps merge by the same rule, inside the block update). score_mod
+    and a BlockMask as attn_mask: FlexAttention's (flex_attention), score_mod after ALiBi's bias."""
+    block_mask, attn_mask = (attn_mask, None) if isinstance(attn_mask, BlockMask) else (None, attn_mask)
     q, k, v, attn_mask, is_causal, shift, scale = _attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
     cq, ck = _chunks(default_chunk_size(q.device) if chunk_size is None else chunk_size)
     seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
     alibi_slopes = _check_alibi(alibi_slopes, q)
-    out, m, log2_l = _chunked_fwd(q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p, is_causal,
-                                  scale, window_size, cq, ck, shift)  # m and log2(l): for the backward
+    if score_mod is not None or block_mask is not None:  # Python functions: no custom operator takes them
+        cq, ck = (cq, ck) if block_mask is None else _check_block_mask(block_mask, q, k)
+        opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens,
+                             alibi_slopes, shift, base=1.0)
+        opts.score_mod, opts.captured = score_mod, () if score_mod is None else _captured(score_mod, q.device)
+        if block_mask is not None:
+            opts.block_mask, opts.plan = block_mask, _block_plan(block_mask, k.size(-2))
+        out, m, log2_l = _ModdedAttention.apply(q, k, v, attn_mask, opts, cq, *opts.captured)
+    else:
+        out, m, log2_l = _chunked_fwd(q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p,
+                                      is_causal, scale, window_size, cq, ck, shift)  # m, log2(l): backward's
     if not return_lse:
         return out
     return out, ((m + log2_l) * LN2).squeeze(-1).masked_fill(torch.isposinf(m).squeeze(-1), -math.inf)
+
+
+def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+                   return_lse=False, kernel_options=None, *, return_aux=None):
+    """torch.nn.attention.flex_attention, its arguments and result, on the chunked path (chunked_attention):
+    in O(L) memory, forward and backward, on any device. score = q . k * scale (float32, or float64), then
+    score_mod(score, b, h, q_idx, kv_idx), then the BlockMask's mask_mod(b, h, q_idx, kv_idx) hides keys,
+    each vmapped over a block as torch runs them (_call_mod); the BlockMask's blocks decide which are visited
+    and where mask_mod runs (its partial ones), as torch's compiled kernels do. No max_scores; no options."""
+    if block_mask is not None and not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be torch's BlockMask, not a {type(block_mask).__name__}")
+    lse = return_lse or (return_aux is not None and return_aux.lse)
+    out = chunked_attention(query, key, value, block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=lse,
+                            score_mod=score_mod)
+    return out if return_aux is None else (out[0], AuxOutput(lse=out[1], max_scores=None))
+
+
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128):
+    """torch's create_block_mask without the (B, H, Q_LEN, KV_LEN) mask: mask_mod evaluated a row of blocks at
+    a time, each block's visible keys counted, in L^2 / BLOCK_SIZE^2 memory. Returns torch's BlockMask: blocks
+    all visible full, some partial, none left out. B, H None: blocks from b = h = 0, as torch builds them."""
+    B, H, (cq, ck) = B or 1, H or 1, (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else BLOCK_SIZE
+    nk, counts = -(-KV_LEN // ck), []  # (B, H, nk) for each row of blocks: the keys each block shows
+    for rows in _blocks(Q_LEN, cq):
+        seen = F.pad(_call_mod(mask_mod, None, rows, slice(0, KV_LEN), B, H, device), (0, nk * ck - KV_LEN))
+        counts.append(seen.view(B, H, rows.stop - rows.start, nk, ck).sum((2, 4)))  # padding: keys none shows
+    counts = torch.stack(counts, 2)  # (B, H, nq, nk)
+
+    def ordered(dense):  # each row's blocks listed first, as torch's _dense_to_ordered
+        return dense.sum(-1).int(), torch.argsort(dense.int(), dim=-1, descending=True, stable=True).int()
+    return BlockMask.from_kv_blocks(*ordered((counts > 0) & (counts < cq * ck)), *ordered(counts == cq * ck),
+                                    BLOCK_SIZE=(cq, ck), mask_mod=mask_mod, seq_lengths=(Q_LEN, KV_LEN))
 
 
 # The plumbing of the chunked path: the forward and the backward as custom operators, so that
@@ -1500,15 +1551,21 @@ class BlockOptions:
     offsets: Optional[list] = None  # and their cu_seqlens, read on the host (a CPU tensor: no sync)
     alibi_slopes: Optional[torch.Tensor] = None  # (B or 1, H, 1, 1), in base 2
     dlse: Optional[torch.Tensor] = None  # the backward's: the gradient of return_lse's lse, (B, H, Lq, 1)
+    base: float = LOG2E  # scores in base 2 as they are made; with mods in nats until the mods have run
+    score_mod: Optional[Callable] = None  # flex_attention's; the tensors it reads that require grad, and the
+    captured: tuple = ()  # backward's gradients of them; a BlockMask and what _block_plan reads from it
+    d_captured: Optional[list] = None
+    block_mask: Optional[BlockMask] = None
+    plan: Optional[dict] = None
 
 
 def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens=None,
-                  alibi_slopes=None, shift=0):
+                  alibi_slopes=None, shift=0, base=LOG2E):
     hashes = _dropout_hashes(seed, *q.shape[:3], k.size(-2)) if dropout_p > 0.0 else (None, None)
-    opts = BlockOptions(scale, is_causal, window_size, shift, ck, attn_mask, dropout_p, *hashes)
+    opts = BlockOptions(scale, is_causal, window_size, shift, ck, attn_mask, dropout_p, *hashes, base=base)
     if cu_seqlens is not None:
         opts.doc_ids, opts.offsets = documents(cu_seqlens, q.size(-2), q.device)[0], cu_seqlens.tolist()
-    opts.alibi_slopes = None if alibi_slopes is None else alibi_slopes * LOG2E  # in base 2, as the scores
+    opts.alibi_slopes = None if alibi_slopes is None else alibi_slopes * base  # in the scores' base
     return opts
 
 
@@ -1595,6 +1652,106 @@ def _chunked_grad(ctx, dout, _dm, dlog2_l):
 
 _chunked_fwd.register_autograd(_chunked_grad, setup_context=_chunked_save)
 
+
+class _ModdedAttention(torch.autograd.Function):
+    """chunked_forward and chunked_backward with the user's mods, Python functions that no custom operator can
+    take: the gradients of q, k, v, of a float attn_mask, and of the tensors score_mod reads (captured)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, opts, cq, *captured):
+        ctx.set_materialize_grads(False)  # a gradient of None: that output is unused
+        with _no_autocast(q):
+            out, m, log2_l = chunked_forward(q.contiguous(), k.contiguous(), v.contiguous(), opts, cq)
+        ctx.save_for_backward(q, k, v, out, m, log2_l, attn_mask, *captured)
+        ctx.opts, ctx.cq = opts, cq
+        return out, m, log2_l
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, _dm, dlog2_l):
+        q, k, v, out, m, log2_l, mask, *captured = ctx.saved_tensors
+        opts = replace(ctx.opts, dlse=None if dlog2_l is None else dlog2_l / LN2,  # lse = (m + log2(l)) ln 2
+                       captured=tuple(captured), d_captured=[torch.zeros_like(t) for t in captured])
+        dmask = torch.zeros_like(mask, dtype=m.dtype) if ctx.needs_input_grad[3] else None
+        dout = torch.zeros_like(out) if dout is None else dout  # a loss of lse alone
+        with _no_autocast(q):
+            zeros = (torch.zeros_like(t, dtype=m.dtype) for t in (q, k, v))  # dq, dk, dv to add into
+            grads = chunked_backward(dout.contiguous(), *(t.contiguous() for t in (q, k, v)), out, m, log2_l,
+                                     *zeros, dmask, opts, ctx.cq)
+        return *grads, None if dmask is None else dmask.to(mask.dtype), None, None, *opts.d_captured
+
+
+def _call_mod(mod, s, rows, cols, B, H, device):
+    """mod on every (b, h, q_idx, kv_idx) of a block as torch's FlexAttention runs it: on scalars, vmapped
+    over kv_idx, q_idx, h, b (so table[q_idx][kv_idx] indexes as it reads). s: the block's scores (B, H, rows,
+    cols) for a score_mod, None for a mask_mod. Returns (B, H, rows, cols): scores in s's dtype, or bool."""
+    fn, name = mod, "mask_mod" if s is None else "score_mod"
+    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)):
+        fn = torch.vmap(fn, in_dims=dims if s is None else (0, *dims))
+    idx = [torch.arange(r.start, r.stop, device=device) for r in (range(B), range(H), rows, cols)]
+    out, shape = fn(*idx) if s is None else fn(s, *idx), tuple(len(i) for i in idx)  # (B, H, rows, cols)
+    if not (torch.is_tensor(out) and out.shape == shape and (out.is_floating_point() ^ (s is None))):
+        raise TypeError(f"{name} must return a {'bool' if s is None else 'float'} for each (b, h, q_idx, "
+                        f"kv_idx), as torch's FlexAttention: got {getattr(out, 'dtype', out)} for {shape}")
+    return out if s is None else out.to(s.dtype)
+
+
+def _pullback(finish, s, opts):
+    """finish(s) (_modded's scores through score_mod) and its gradient's way back to s, adding opts.captured's
+    into opts.d_captured: autograd.grad on the block's graph; under torch.compile, which cannot trace that
+    inside a backward, torch.func.vjp (where captured is empty)."""
+    if torch.compiler.is_compiling():
+        out, vjp = torch.func.vjp(finish, s)
+        return out.clone(), lambda ds: vjp(ds)[0]
+    with torch.enable_grad():
+        s = s.detach().requires_grad_()
+        out = finish(s)
+
+    def pullback(ds):
+        ds, *grads = torch.autograd.grad(out, (s, *opts.captured), ds, allow_unused=True, retain_graph=True)
+        for total, g in zip(opts.d_captured, grads):
+            total += 0 if g is None else g
+        return ds
+    return out.detach().clone(), pullback  # a copy: the block update works on it in place
+
+
+def _captured(mod, device):
+    """The leaves requiring grad behind the tensors score_mod reads (a closure's, a global, a module's
+    parameter, what they were computed from): the graph of one score it makes, walked."""
+    with torch.enable_grad():
+        out = _call_mod(mod, torch.zeros(1, 1, 1, 1, device=device), *[slice(0, 1)] * 2, 1, 1, device)
+    if out.requires_grad and torch.compiler.is_compiling() and torch.is_grad_enabled():
+        raise ValueError("under torch.compile, score_mod may read no tensor that requires grad (_pullback)")
+    leaves, todo = {}, [out.grad_fn] if out.requires_grad else []
+    while todo:
+        node = todo.pop()
+        leaves |= {id(node.variable): node.variable} if hasattr(node, "variable") else {}  # a leaf's
+        todo += [f for f, _ in node.next_functions if f is not None]
+    return tuple(leaves.values())
+
+
+def _block_plan(block_mask, Lk):
+    """A BlockMask read on the host, once a call (a GPU waits): {q0: [k0, ..]}, the key blocks some (b, h)
+    sees from a block of queries, and {(q0, k0): (states, partial)}: states (B or 1, H or 1, 1, 1), 1 where
+    mask_mod decides, 2 where all keys are seen, 0 none, or None if all are 2; partial: any 1."""
+    if torch.compiler.is_compiling():
+        raise ValueError("a BlockMask is read on the host to choose the blocks: not under torch.compile")
+    (cq, ck), nk, plan = block_mask.BLOCK_SIZE, -(-Lk // block_mask.BLOCK_SIZE[1]), {}
+    states = block_mask.kv_num_blocks.new_zeros(*block_mask.kv_num_blocks.shape, nk + 1, dtype=torch.int8)
+    for value, num, idx in ((1, block_mask.kv_num_blocks, block_mask.kv_indices),
+                            (2, block_mask.full_kv_num_blocks, block_mask.full_kv_indices)):
+        if num is not None:  # each row's first num indices; the rest to the last column, a bin
+            listed = torch.arange(idx.size(-1), device=idx.device) < num[..., None]
+            states.scatter_(-1, idx.long().masked_fill(~listed, nk), value)
+    states = states[..., :nk]  # (B, H, nq, nk)
+    seen, partial, full = [x.tolist() for x in ((states > 0).any((0, 1)), (states == 1).any((0, 1)),
+                                                (states == 2).all((0, 1)))]
+    for i, j in [(i, j) for i in range(len(seen)) for j in range(nk) if seen[i][j]]:
+        plan.setdefault(i * cq, []).append(j * ck)
+        plan[i * cq, j * ck] = None if full[i][j] else states[:, :, i, j, None, None], partial[i][j]
+    return plan
+
+
 _BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(a, b, out_dtype=...), CUDA
 
 
@@ -1624,18 +1781,43 @@ def _matmul(a, b, alpha=1.0):
     return out.view(*a.shape[:-1], b.size(-1))  # (B, H, m, n)
 
 
-def _scores(q_i, k, rows, cols, opts):
+def _scores(q_i, k, rows, cols, opts, backward=False):
     """S_j of one block, (B, H, rows, cols), in base 2 with ALiBi's bias and the mask, float32 (float64 for
     float64); the backward recomputes it. q_i: the queries `rows` as _per_kv_head lays them out. A float mask
-    goes to base 2 here, clamped to its finite range."""
-    s = _matmul(q_i, k[:, :, cols].transpose(-2, -1), alpha=opts.scale * LOG2E)  # (B, H_kv, G * rows, cols)
+    goes to base 2 here, clamped to its finite range. The user's mods run here, and only here (_modded); the
+    backward also gets the pullback through score_mod (None without one)."""
+    s = _matmul(q_i, k[:, :, cols].transpose(-2, -1), alpha=opts.scale * opts.base)  # (B, H_kv, G rows, cols)
     s = s.view(s.size(0), -1, rows.stop - rows.start, s.size(-1))  # (B, H, rows, cols)
     mask = mask_block(opts.mask, rows, cols, is_causal=opts.is_causal, shift=opts.shift,
                       window_size=opts.window_size, doc_ids=opts.doc_ids, offsets=opts.offsets,
                       alibi_slopes=opts.alibi_slopes, scores=s, device=q_i.device)
     if opts.mask is not None and opts.mask.is_floating_point():
-        mask = _finite_bias(mask, s.dtype, LOG2E)
-    return _apply_mask(s, mask)
+        mask = _finite_bias(mask, s.dtype, opts.base)
+    if opts.score_mod is None and opts.block_mask is None:
+        return (_apply_mask(s, mask), None) if backward else _apply_mask(s, mask)
+    return _modded(s, mask, rows, cols, opts, backward)
+
+
+def _modded(s, mask, rows, cols, opts, backward):
+    """A block's scores s (in nats, ALiBi's bias added) through the user's mods, as FlexAttention applies
+    them: a float mask's finite bias added, then score_mod, then -inf where a mask or the BlockMask hides a
+    key; in base 2. backward: also the pullback through score_mod (None without one)."""
+    hidden = None if mask is None else ~mask if mask.dtype == torch.bool else torch.isneginf(mask)
+    if mask is not None and mask.is_floating_point():
+        s = s.add_(mask.masked_fill(hidden, 0.0))
+    states, partial = (None, False) if opts.plan is None else opts.plan[rows.start, cols.start]
+    if states is not None:  # the BlockMask's verdict: its full blocks, and mask_mod's in its partial ones
+        mod = partial and _call_mod(opts.block_mask.mask_mod, None, rows, cols, *s.shape[:2], s.device)
+        seen = (states == 2) | ((states == 1) & mod) if partial else states == 2
+        hidden = ~seen if hidden is None else hidden | ~seen
+
+    def finish(s):
+        s = s if opts.score_mod is None else _call_mod(opts.score_mod, s, rows, cols, *s.shape[:2], s.device)
+        return s if hidden is None else s.masked_fill(hidden, -math.inf)
+    if not backward:
+        return finish(s).mul_(LOG2E)
+    s, pullback = (finish(s), None) if opts.score_mod is None else _pullback(finish, s, opts)
+    return s.mul_(LOG2E), pullback
 
 
 # Dropout multiplies P_j by a keep-mask Z_j in the products with V and dO, and divides by 1 - p.
@@ -1949,6 +2131,9 @@ def _check_mha_call(mha, x, attn_mask, is_causal, need_weights, positions, cu_se
     if need_weights and callable(mha.impl):
         raise ValueError("need_weights computes the weights by naive attention on this module's own q, k, v: "
                          "not with an attention function as impl (a ring sees a shard only)")
+    if ((mha.score_mod is not None) or isinstance(attn_mask, BlockMask)) and (need_weights or cache):
+        raise ValueError("FlexAttention's mods (score_mod, a BlockMask) run on the chunked path: not with "
+                         "need_weights (the naive path) or a KV cache, whose q_idx and kv_idx would be slots")
 
 
 def _check_caches(enc, idx, cache):  # one KVCache a layer, each of idx's rows (else positions broadcast)
@@ -1956,6 +2141,21 @@ def _check_caches(enc, idx, cache):  # one KVCache a layer, each of idx's rows (
     if cache is not None and (len(cache) != len(enc.layers) or distinct != len(cache) or rows != {len(idx)}):
         raise ValueError(f"cache holds {len(cache)} KVCaches, {distinct} of them distinct, of {rows} rows, "
                          f"for {len(enc.layers)} layers and {len(idx)} rows of idx: one of its own a layer")
+
+
+def _check_block_mask(block_mask, q, k):
+    """The BLOCK_SIZE of torch's BlockMask for q's and k's lengths, B and H 1 or q's, or a clear error."""
+    (B, H, Lq), (Bm, Hm, nq), (cq, ck) = q.shape[:3], block_mask.kv_num_blocks.shape, block_mask.BLOCK_SIZE
+    if Bm not in (1, B) or Hm not in (1, H) or tuple(block_mask.seq_lengths) != (Lq, k.size(-2)) or (
+            nq != -(-Lq // cq) or block_mask.kv_num_blocks.device != q.device):
+        raise ValueError(f"a BlockMask of (B, H) = ({Bm}, {Hm}), lengths {tuple(block_mask.seq_lengths)}, "
+                         f"BLOCK_SIZE {(cq, ck)}, for q {tuple(q.shape)}, k {tuple(k.shape)}: B and H 1 or "
+                         f"q's, its lengths q's and k's, its device q's ({q.device})")
+    mod = block_mask.mask_mod  # as torch's FlexAttention, refuse one reading tensors that require grad
+    cv = inspect.getclosurevars(mod) if inspect.isfunction(mod) or inspect.ismethod(mod) else None
+    if cv and any(torch.is_tensor(t) and t.requires_grad for t in {**cv.nonlocals, **cv.globals}.values()):
+        raise ValueError("mask_mod reads a tensor that requires grad: a mask has no gradient, detach it")
+    return cq, ck
 
 
 def _check_alibi(slopes, q):
@@ -1978,8 +2178,8 @@ def _check_mask(attn_mask, q, target):
     """attn_mask as it is (bool or float, on q's device, broadcasting to target, (B, H, Lq, Lk)), or a clear
     error."""
     if type(attn_mask) not in (torch.Tensor, nn.Parameter):  # a subclass may mean more than its values
-        raise TypeError(f"attn_mask must be a plain bool or float tensor (or SDPA's CausalBias), got a "
-                        f"{type(attn_mask).__name__}")
+        raise TypeError(f"attn_mask must be a plain bool or float tensor (or SDPA's CausalBias; a BlockMask: "
+                        f"chunked_attention), got a {type(attn_mask).__name__}")
     if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
         raise TypeError(f"attn_mask must be bool (True = may attend) or floating (added to the scores), got "
                         f"{attn_mask.dtype}; for a 0/1 integer mask pass mask.bool() (1 = may attend), for "
