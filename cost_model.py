@@ -84,19 +84,20 @@ def chunk_sizes(point):
 def computed_pairs(point):
     """The pairs one (batch, head) of a series computes: chunked skips what causality and a window hide (counted
     as the visible pairs, FlashAttention's convention, though it computes the whole key blocks it visits), and
-    with documents the key blocks outside them (counted block by block, as it visits them); the fused
-    kernels skip causal pairs only when causality reaches them as a flag; naive, and SDPA given a window
+    with documents the key blocks outside them (counted block by block, as it visits them; so do the flex
+    paths through their BlockMask's blocks, torch's compiled one at its 128); the fused kernels skip causal
+    pairs only when causality reaches them as a flag; naive, torch's eager flex, and SDPA given a window
     or documents (only as an (n, n) mask), compute every pair and mask the rest."""
     p, n = point, point["n"]
     if p["path"] in approx.STRATEGIES:
         return approx.SCORES[p["path"]](n, p["setting"], p["causal"])
-    if p.get("docs") and p["path"] == "chunked":
-        cq, ck = chunk_sizes(p)
+    if p.get("docs") and p["path"] in ("chunked", "flex", "torch-flex-compiled"):
+        cq, ck = (128, 128) if p["path"] == "torch-flex-compiled" else chunk_sizes(p)
         offsets = packed_offsets(n, p["docs"])
         return sum((rows.stop - rows.start) * (cols.stop - cols.start) for rows in mt._blocks(n, cq)
                    for cols in mt._key_blocks(rows, n, ck, p["causal"], p["window"], offsets))
-    dense = p["path"] == "naive" or (p["path"] not in ("chunked", "ring") and (p["window"] or p.get("docs")
-                                                                               or str(p.get("alibi")) == "True"))
+    dense = p["path"] in ("naive", "torch-flex") or (p["path"] not in ("chunked", "ring") and (
+        p["window"] or p.get("docs") or str(p.get("alibi")) == "True"))
     return attention_pairs(n, p["causal"] and not dense, None if dense else p["window"])
 
 

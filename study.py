@@ -281,10 +281,48 @@ def _attention_call(spec, q, k, v):
         return (lambda: mt.chunked_attention(q, k, v, chunk_size=spec["chunk_size"], **kw)), "chunked"
     if path == "ring":
         return (lambda: ring_attention.ring_attention(q, k, v, is_causal=spec["causal"])), "ring"
+    if path in FLEX_PATHS:
+        return _flex_call(spec, q, k, v), path
     if path in approx.STRATEGIES:
         strategy = approx.STRATEGIES[path](spec["setting"], q.size(-2), q.size(-1)).to(q.device, q.dtype)
         return (lambda: strategy(q, k, v, is_causal=spec["causal"])), path
     return (lambda: mt.naive_attention(q, k, v, **kw)[0]), "naive"
+
+
+# FlexAttention: minitransformer's flex_attention on the chunked path, and torch's own, eager (its (B, H, n, n)
+# scores) and compiled; forward only for torch's on a CPU, where it has no backward
+FLEX_PATHS = ("flex", "torch-flex", "torch-flex-compiled")
+
+
+def _flex_call(spec, q, k, v):
+    """A flex series' step: its score_mod, a tanh softcap or a learned relative bias table (a gradient in
+    fwd+bwd), and with documents or causality a BlockMask (documents, causal inside each), built in the step by
+    the path's own create_block_mask (ours at the chunked path's blocks, torch's at its 128): its cost counts."""
+    n, path, tf = q.size(-2), spec["path"], torch.nn.attention.flex_attention
+    if path != "flex" and spec["mode"] == "fwd+bwd" and q.device.type == "cpu":
+        raise PointUnsupported("torch's flex_attention has no backward on a CPU")
+    if spec["mod"] == "softcap":
+        score_mod = lambda s, b, h, i, j: 30 * torch.tanh(s / 30)  # noqa: E731 (Gemma 2's cap)
+    else:
+        table = torch.zeros(2 * n - 1, device=q.device, requires_grad=spec["mode"] == "fwd+bwd")
+        score_mod = lambda s, b, h, i, j: s + table[i - j + n - 1]  # noqa: E731
+    if path == "torch-flex-compiled":
+        if q.dtype == torch.float64 and q.device.type == "cpu":
+            raise PointUnsupported("torch's compiled flex_attention takes float32 or 16 bits on a CPU")
+        # compiled afresh for each point (past 8 graphs Dynamo would run it eagerly), with static shapes
+        # (made dynamic by a second length, torch 2.13's CPU flex kernel fails to compile)
+        torch.compiler.reset()
+    attend = ({"flex": mt.flex_attention, "torch-flex": tf.flex_attention}.get(path)
+              or torch.compile(tf.flex_attention, dynamic=False, fullgraph=True))
+    if not (spec.get("docs") or spec["causal"]):
+        return lambda: attend(q, k, v, score_mod)
+    offsets = packed_offsets(n, spec["docs"]) if spec.get("docs") else [0, n]
+    docs = mt.documents(torch.tensor(offsets), n, q.device)[0]
+    mask_mod = lambda b, h, i, j: (docs[i] == docs[j]) & ((i >= j) | (not spec["causal"]))  # noqa: E731
+    if path == "flex":
+        return lambda: attend(q, k, v, score_mod, mt.create_block_mask(mask_mod, None, None, n, n, q.device,
+                                                                       cost_model.chunk_sizes(spec)))
+    return lambda: attend(q, k, v, score_mod, tf.create_block_mask(mask_mod, None, None, n, n, q.device))
 
 
 class _Workload:
@@ -619,6 +657,7 @@ class Series:
     alibi: bool = False  # ALiBi's bias, alibi_slopes of the H heads
     gqa: int | None = None  # grouped-query attention: k and v with the largest divisor of H up to H / gqa heads
     setting: int | None = None  # an approximate strategy's stride, rank or ratio (approximate_attention)
+    mod: str | None = None  # a flex series' score_mod: "softcap" or "relbias" (_flex_call)
     default: bool = True  # in the sweep when --series names none
 
 
@@ -636,7 +675,8 @@ def default_series(device, causal, window, caps=None, gpus=None):
     """naive, chunked, flash (+ each fused SDPA kernel on CUDA), chunked-causal, chunked-window<w>, flash-window<w>;
     outside the default, <path>-packed8 and -packed32 (8 or 32 documents in every row) for naive, chunked and
     flash, chunked-alibi and flash-alibi, chunked-gqa8 and flash-gqa8 (K and V with H / 8 heads, grouped-query
-    attention), the APPROXIMATE strategies, and ring2 and ring4 (P processes: gloo on
+    attention), the APPROXIMATE strategies, FlexAttention's (FLEX_PATHS: a softcap with 4 documents causal inside
+    each, and a learned relative bias; chunked-causal-packed4 beside them), and ring2 and ring4 (P processes: gloo on
     CPU, NCCL where there are P GPUs or more: `gpus`, default the count here). caps: {series name: longest n}."""
     series = [Series("naive", "naive", causal), Series("chunked", "chunked", causal), Series("flash", "flash", causal)]
     if device.type == "cuda":
@@ -655,6 +695,11 @@ def default_series(device, causal, window, caps=None, gpus=None):
     if not causal:  # their causal forms beside them, as chunked-causal
         series += [Series(f"{path}{setting or ''}-causal", path, True, setting=setting, default=False)
                    for path, setting in APPROXIMATE if path != "lowrank"]
+    for path, mod in ((path, mod) for path in FLEX_PATHS for mod in ("softcap", "relbias")):  # a document mask
+        docs = 4 if mod == "softcap" else None  # with causality inside each, and a softcap; or a learned bias
+        series.append(Series(f"{path}{'-causal-packed4' * bool(docs)}-{mod}", path, causal or bool(docs),
+                             docs=docs, mod=mod, default=False))
+    series.append(Series("chunked-causal-packed4", "chunked", True, docs=4, default=False))  # flex-softcap's mask
     gpus = torch.cuda.device_count() if gpus is None else gpus
     series += [Series(f"ring{P}", "ring", causal, world=P, default=False) for P in (2, 4)
                if device.type == "cpu" or gpus >= P]
@@ -833,19 +878,24 @@ def plot(rows, out_dir, title):
 
     def figure(name, ylabel, draw):
         fig, (axes,) = plt.subplots(1, len(modes), figsize=(12 if len(modes) > 1 else 10, 4.8), sharey=True,
-                                    squeeze=False)
+                                    squeeze=False, layout="constrained")
         for ax, mode in zip(axes, modes):
             ax.set_title(draw(ax, mode))
             ax.set_xlabel("sequence length n")
             ax.grid(True, which="both", alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
+            entries = len(ax.get_legend_handles_labels()[0])
+            if entries > 6:  # below the panel, where it hides no curve
+                ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+                fig.set_figheight(4.8 + 0.2 * entries)
+            elif entries:
                 ax.legend(fontsize=8)
         axes[0].set_ylabel(ylabel)
         save(fig, name)
 
     def save(fig, name):
         fig.suptitle(f"{name}: {title}", fontsize=10)
-        fig.tight_layout()
+        if fig.get_layout_engine() is None:
+            fig.tight_layout()
         files.append(os.path.join(out_dir, f"{name}.png"))
         fig.savefig(files[-1], dpi=110)
         plt.close(fig)
@@ -984,8 +1034,11 @@ def model_report(rows, curves):
     unmodelled = {}  # "series mode (kernel)": the lengths that no model covers
     for r in (r for rs in curves.values() for r in rs if "predicted_mib" in r and not r["predicted_mib"]):
         unmodelled.setdefault(f"{r['series']} {r['mode']} ({r['kernel']})", []).append(str(r["n"]))
-    strategies = any(r["path"] in approx.STRATEGIES for rs in curves.values() for r in rs)
-    said = ["", f"Not modelled ({'an approximate strategy or ' * strategies}a kernel the model does not cover): "
+    paths = {r["path"] for rs in curves.values() for r in rs}
+    why = ("an approximate strategy, " * bool(paths & set(approx.STRATEGIES))
+           + "FlexAttention's mods and block masks (their blocks as chunked's, the mods' temporaries a few blocks, "
+           "torch's eager (B, H, n, n) scores), " * bool(paths & set(FLEX_PATHS)))
+    said = ["", f"Not modelled ({why}{'or ' * bool(why)}a kernel the model does not cover): "
             + "; ".join(f"{key} at n = {', '.join(ns)}" for key, ns in unmodelled.items()) + "."] if unmodelled else []
     if not rated:
         return said
@@ -1345,7 +1398,7 @@ def points(args, device_label, dtype, lengths, series, batch, modes, **extra):
              "mode": mode, "causal": s.causal, "window": s.window, "docs": s.docs, "alibi": s.alibi, "H": args.heads,
              "kv_heads": next(d for d in range(max(1, args.heads // (s.gqa or 1)), 0, -1) if args.heads % d == 0),
              "D": args.head_dim, "n": n, "B": max(1, args.tokens // n) if args.tokens else batch, "world": s.world,
-             "setting": s.setting, "chunk_size": s.chunk_size or args.chunk_size, **extra}
+             "setting": s.setting, "mod": s.mod, "chunk_size": s.chunk_size or args.chunk_size, **extra}
             for n in lengths for s in series for mode in modes if s.max_n is None or n <= s.max_n]
 
 

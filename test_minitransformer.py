@@ -4107,6 +4107,8 @@ def named_options(name, sweep_causal):
                          name):
         return m[1], dict(causal=sweep_causal or bool(m[2]), window=m[3] and int(m[3]), docs=m[4] and int(m[4]),
                           alibi=bool(m[5]), gqa=m[6] and int(m[6]))
+    if m := re.fullmatch(r"(flex|torch-flex|torch-flex-compiled)(-causal-packed4)?-(softcap|relbias)", name):
+        return m[1], dict(causal=sweep_causal or bool(m[2]), docs=4 if m[2] else None, mod=m[3])
     if m := re.fullmatch(r"(strided|linear|lowrank|compressed)(\d*)(-causal)?|(ring)(\d)|sdpa-(flash|efficient|cudnn)",
                          name):
         return m[1] or m[4] or "sdpa", dict(causal=sweep_causal or bool(m[3]), setting=m[2] and int(m[2]),
@@ -4126,6 +4128,10 @@ def named_call(path, o, q, k, v):
               alibi_slopes=mt.alibi_slopes(H) if o.get("alibi") else None, enable_gqa=bool(o.get("gqa")))
     if path in mt.IMPLS:
         return mt.attention(q, k, v, impl=path, **kw), mt.sdpa_kernel_name(q, k, v, **kw) if path == "flash" else path
+    if "flex" in path:  # written out: its softcap (its learned table starts at 0) and its documents, causal in each
+        docs = torch.zeros(n, dtype=torch.long) if offsets is None else mt.documents(torch.tensor(offsets), n)[0]
+        keep = (docs[:, None] == docs[None, :]) & (torch.ones(n, n, dtype=torch.bool).tril() | (not o["causal"]))
+        return dense_flex(q, k, v, (lambda s: 30 * torch.tanh(s / 30)) if o["mod"] == "softcap" else None, keep), path
     return named_strategy(path, o, q, k, v), o["kernel"] if path == "sdpa" else path
 
 
@@ -4197,8 +4203,8 @@ def test_every_series_measures_what_its_name_says(causal, tmp_path, monkeypatch)
             torch.manual_seed(0)  # a strategy's random parameters, as named_call draws them
             try:
                 fn, label = study._attention_call(spec, q, k, v)
-            except study.PointUnsupported:  # a forced CUDA kernel this CPU has not
-                assert path == "sdpa" and options["kernel"] != "flash", s
+            except study.PointUnsupported:  # a forced CUDA kernel this CPU has not; torch's compiled flex in float64
+                assert (path == "sdpa" and options["kernel"] != "flash") or path == "torch-flex-compiled", s
                 continue
             blocks.clear()
             called.clear()
