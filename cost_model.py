@@ -81,21 +81,32 @@ def chunk_sizes(point):
     return mt._chunks(point.get("chunk_size") or mt.default_chunk_size(point["device"].split(":")[0]))
 
 
+def _meet(rows, cols, a, b, causal):
+    """Whether a query of `rows` sees a key of `cols` in the document [a, b) (causal: a key at or before it)."""
+    q0, q1, k0, k1 = max(rows.start, a), min(rows.stop, b), max(cols.start, a), min(cols.stop, b)
+    return q0 < q1 and k0 < k1 and (not causal or k0 < q1)
+
+
 def computed_pairs(point):
     """The pairs one (batch, head) of a series computes: chunked skips what causality and a window hide (counted
     as the visible pairs, FlashAttention's convention, though it computes the whole key blocks it visits), and
-    with documents the key blocks outside them (counted block by block, as it visits them; so do the flex
-    paths through their BlockMask's blocks, torch's compiled one at its 128); the fused kernels skip causal
-    pairs only when causality reaches them as a flag; naive, torch's eager flex, and SDPA given a window
-    or documents (only as an (n, n) mask), compute every pair and mask the rest."""
+    with documents the key blocks outside them (counted block by block, as it visits them; the flex paths
+    count the blocks of their BlockMask's grid where a query sees a key, torch's compiled one at its 128); the
+    fused kernels skip causal pairs only when causality reaches them as a flag; naive, torch's eager flex, and
+    SDPA given a window or documents (only as an (n, n) mask), compute every pair and mask the rest."""
     p, n = point, point["n"]
     if p["path"] in approx.STRATEGIES:
         return approx.SCORES[p["path"]](n, p["setting"], p["causal"])
     if p.get("docs") and p["path"] in ("chunked", "flex", "torch-flex-compiled"):
         cq, ck = (128, 128) if p["path"] == "torch-flex-compiled" else chunk_sizes(p)
-        offsets = packed_offsets(n, p["docs"])
-        return sum((rows.stop - rows.start) * (cols.stop - cols.start) for rows in mt._blocks(n, cq)
-                   for cols in mt._key_blocks(rows, n, ck, p["causal"], p["window"], offsets))
+        docs = packed_offsets(n, p["docs"])
+        if p["path"] == "chunked":  # the key blocks it visits, cut to the documents
+            blocks = ((rows, cols) for rows in mt._blocks(n, cq)
+                      for cols in mt._key_blocks(rows, n, ck, p["causal"], p["window"], docs))
+        else:  # the BlockMask's grid: whole blocks, where some query sees some key
+            blocks = ((rows, cols) for rows in mt._blocks(n, cq) for cols in mt._blocks(n, ck)
+                      if any(_meet(rows, cols, a, b, p["causal"]) for a, b in zip(docs, docs[1:])))
+        return sum((rows.stop - rows.start) * (cols.stop - cols.start) for rows, cols in blocks)
     dense = p["path"] in ("naive", "torch-flex") or (p["path"] not in ("chunked", "ring") and (
         p["window"] or p.get("docs") or str(p.get("alibi")) == "True"))
     return attention_pairs(n, p["causal"] and not dense, None if dense else p["window"])

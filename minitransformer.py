@@ -36,6 +36,7 @@ Where each idea of a Transformer tutorial lives, in the order of the file:
     label smoothing                     TrainConfig.label_smoothing (0.1, as in the paper)
     local and sparse attention          window_size= of every hardened path; any pattern as a bool attn_mask;
                                         approximate_attention.py: strided, linear, low-rank, compressed
+    your own variant: FlexAttention     flex_attention (score_mod, mask_mod), create_block_mask, score_mod=
 
 References:
 1) Vaswani et al. 2017, "Attention Is All You Need": https://arxiv.org/abs/1706.03762
@@ -47,6 +48,7 @@ References:
 5) Su et al. 2021, "RoFormer" (rotary positions): https://arxiv.org/abs/2104.09864
 6) Micikevicius et al. 2018, "Mixed Precision Training": https://arxiv.org/abs/1710.03740
 7) Press et al. 2022, "Train Short, Test Long" (ALiBi): https://arxiv.org/abs/2108.12409
+8) Dong et al. 2024, "Flex Attention" (score_mod, mask_mod, BlockMask): https://arxiv.org/abs/2412.05496
 """
 
 import argparse
@@ -55,7 +57,6 @@ import collections
 import contextlib
 import functools
 import gc
-import inspect
 import math
 import os
 import re
@@ -70,6 +71,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 from torch.nn.attention.bias import CausalBias, CausalVariant
 from torch.nn.attention.flex_attention import AuxOutput, BlockMask
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 # core begins
 # Attention in its plainest correct form, forward and backward. Conventions are those of PyTorch's
@@ -254,7 +257,8 @@ class MultiHeadAttention(nn.Module):
     h reading K/V head h // (n_heads / n_kv_heads), as Llama's repeat_kv (x-transformers: h % n_kv_heads).
     impl: one of IMPLS, or an attention function (see attention()). rope: an optional RotaryEmbedding for q
     and k of every head; alibi: ALiBi's bias in every head (alibi_slopes, float32 whatever the module's);
-    score_mod: FlexAttention's, a function or a module (its parameters then this one's: a learned bias)."""
+    score_mod: FlexAttention's (flex_attention), a function, a module or a module's method: that module's
+    parameters are then this one's (a learned bias is trained, moved and saved with the model)."""
 
     def __init__(self, d_model, n_heads, dropout=0.0, bias=True, impl="flash", *, chunk_size=None,
                  window_size=None, rope=None, alibi=False, n_kv_heads=None, score_mod=None):
@@ -272,6 +276,8 @@ class MultiHeadAttention(nn.Module):
         self.d_model, self.n_heads, self.n_kv_heads, self.dropout = d_model, n_heads, n_kv_heads, dropout
         self.impl, self.chunk_size, self.window_size = impl, chunk_size, window_size
         self.rope, self.alibi, self.score_mod = rope, alibi, score_mod
+        owner = getattr(score_mod, "__self__", None)  # a bound method's module: registered as a submodule
+        self.score_owner = owner if isinstance(owner, nn.Module) else None
         self.qkv = nn.Linear(d_model, d_model + 2 * n_kv_heads * (d_model // n_heads), bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
 
@@ -595,7 +601,7 @@ class Encoder(nn.Module):
     """Token ids (B, T) -> hidden states (B, T, d_model).
 
     h = PosEnc(Embed(idx) * sqrt(d_model)), then n_layers EncoderLayers, then a final LayerNorm for pre-LN
-    (post-LN layers already end in one). score_mod: FlexAttention's, every layer's (a module: a learned bias).
+    (post-LN layers already end in one). score_mod: FlexAttention's, one for all layers (MultiHeadAttention).
     """
 
     def __init__(self, config, score_mod=None):
@@ -1486,7 +1492,7 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
         cq, ck = (cq, ck) if block_mask is None else _check_block_mask(block_mask, q, k)
         opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens,
                              alibi_slopes, shift, base=1.0)
-        opts.score_mod, opts.captured = score_mod, () if score_mod is None else _captured(score_mod, q.device)
+        opts.score_mod, opts.captured = score_mod, () if score_mod is None else _captured(score_mod, q)
         if block_mask is not None:
             opts.block_mask, opts.plan = block_mask, _block_plan(block_mask, k.size(-2))
         out, m, log2_l = _ModdedAttention.apply(q, k, v, attn_mask, opts, cq, *opts.captured)
@@ -1500,39 +1506,52 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
                    return_lse=False, kernel_options=None, *, return_aux=None):
-    """torch.nn.attention.flex_attention, its arguments and result, on the chunked path (chunked_attention):
-    in O(L) memory, forward and backward, on any device. score = q . k * scale (float32, or float64), then
-    score_mod(score, b, h, q_idx, kv_idx), then the BlockMask's mask_mod(b, h, q_idx, kv_idx) hides keys,
-    each vmapped over a block as torch runs them (_call_mod); the BlockMask's blocks decide which are visited
-    and where mask_mod runs (its partial ones), as torch's compiled kernels do. No max_scores; no options."""
+    """torch.nn.attention.flex_attention on the chunked path (chunked_attention), in O(L) memory, forward and
+    backward, on any device: out = softmax(mask_mod(score_mod(Q K^T * scale))) V, query (B, H, Lq, D), key
+    (B, H_kv, Lk, D), value (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv), H_kv dividing H with enable_gqa.
+
+    score_mod(score, b, h, q_idx, kv_idx) -> a new score, and mask_mod(b, h, q_idx, kv_idx) -> True where the
+    key is seen, are written for one score, of 0-d tensors (torch vmaps them over a block: _call_mod); score
+    is float32 (float64 for float64), h the query head. block_mask (create_block_mask) holds mask_mod and the
+    key blocks each block of queries visits; mask_mod runs in its partial ones only, as in torch's compiled
+    kernels. return_lse, or return_aux=AuxRequest(lse=True): also lse (B, H, Lq), -inf where a query sees no
+    key (its output 0). kernel_options is ignored."""
     if block_mask is not None and not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be torch's BlockMask, not a {type(block_mask).__name__}")
+    if return_aux is not None and (return_lse or return_aux.max_scores):
+        raise ValueError("return_aux: not with return_lse (as torch), nor max_scores, which this path never keeps")
     lse = return_lse or (return_aux is not None and return_aux.lse)
     out = chunked_attention(query, key, value, block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=lse,
                             score_mod=score_mod)
-    return out if return_aux is None else (out[0], AuxOutput(lse=out[1], max_scores=None))
+    if return_aux is None:
+        return out
+    return (out[0], AuxOutput(lse=out[1])) if lse else (out, AuxOutput())
 
 
-def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128):
-    """torch's create_block_mask without the (B, H, Q_LEN, KV_LEN) mask: mask_mod evaluated a row of blocks at
-    a time, each block's visible keys counted, in L^2 / BLOCK_SIZE^2 memory. Returns torch's BlockMask: blocks
-    all visible full, some partial, none left out. B, H None: blocks from b = h = 0, as torch builds them."""
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, _compile=False):
+    """torch's create_block_mask without the (B, H, Q_LEN, KV_LEN) mask. Queries and keys are cut into blocks
+    of BLOCK_SIZE (or (query block, key block)); for a block of queries, a block of keys is full (mask_mod True
+    on all its pairs: attended without calling it), partial (mask_mod decides there) or left out. mask_mod runs
+    on one row of blocks at a time, (B, H, BLOCK_SIZE, KV_LEN), and the result is torch's BlockMask: for each
+    (b, h, block of queries), how many key blocks are partial (kv_num_blocks) and which (kv_indices), the same
+    for the full ones. B, H None: blocks from b = h = 0, as torch builds them; _compile changes nothing."""
     B, H, (cq, ck) = B or 1, H or 1, (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else BLOCK_SIZE
-    nk, counts = -(-KV_LEN // ck), []  # (B, H, nk) for each row of blocks: the keys each block shows
+    nk, counts = -(-KV_LEN // ck), []  # ceil(KV_LEN / ck) key blocks; for each row of blocks, the keys they show
     for rows in _blocks(Q_LEN, cq):
-        seen = F.pad(_call_mod(mask_mod, None, rows, slice(0, KV_LEN), B, H, device), (0, nk * ck - KV_LEN))
+        seen = _call_mod(mask_mod, None, rows, slice(0, KV_LEN), B, H, device, _Reads("mask_mod"))
+        seen = F.pad(seen, (0, nk * ck - KV_LEN))
         counts.append(seen.view(B, H, rows.stop - rows.start, nk, ck).sum((2, 4)))  # padding: keys none shows
     counts = torch.stack(counts, 2)  # (B, H, nq, nk)
 
-    def ordered(dense):  # each row's blocks listed first, as torch's _dense_to_ordered
+    def ordered(dense):  # (B, H, nq, nk) bool -> each row's count, and its blocks' indices listed first
         return dense.sum(-1).int(), torch.argsort(dense.int(), dim=-1, descending=True, stable=True).int()
     return BlockMask.from_kv_blocks(*ordered((counts > 0) & (counts < cq * ck)), *ordered(counts == cq * ck),
                                     BLOCK_SIZE=(cq, ck), mask_mod=mask_mod, seq_lengths=(Q_LEN, KV_LEN))
 
 
-# The plumbing of the chunked path: the forward and the backward as custom operators, so that
-# torch.compile sees one call with known output shapes and never unrolls the block loops; what
-# the block updates share; the products' precision; dropout's hash.
+# The plumbing of the chunked path: the forward and the backward as custom operators, so that torch.compile
+# sees one call and never unrolls the block loops (with the mods, Python functions, an autograd.Function whose
+# loops it unrolls); what the block updates share; the mods; the products' precision; dropout's hash.
 
 
 @dataclass
@@ -1549,13 +1568,13 @@ class BlockOptions:
     col_hash: Optional[torch.Tensor]  # and of the key columns j, (Lk,)
     doc_ids: Optional[torch.Tensor] = None  # packed rows: the document of every position, (L,) (documents())
     offsets: Optional[list] = None  # and their cu_seqlens, read on the host (a CPU tensor: no sync)
-    alibi_slopes: Optional[torch.Tensor] = None  # (B or 1, H, 1, 1), in base 2
+    alibi_slopes: Optional[torch.Tensor] = None  # (B or 1, H, 1, 1), in the scores' base
     dlse: Optional[torch.Tensor] = None  # the backward's: the gradient of return_lse's lse, (B, H, Lq, 1)
     base: float = LOG2E  # scores in base 2 as they are made; with mods in nats until the mods have run
-    score_mod: Optional[Callable] = None  # flex_attention's; the tensors it reads that require grad, and the
-    captured: tuple = ()  # backward's gradients of them; a BlockMask and what _block_plan reads from it
-    d_captured: Optional[list] = None
-    block_mask: Optional[BlockMask] = None
+    score_mod: Optional[Callable] = None  # flex_attention's, and the tensors it reads that require grad
+    captured: tuple = ()
+    subs: Optional[dict] = None  # the backward's: {id(captured tensor): its stand-in} (_pullback)
+    block_mask: Optional[BlockMask] = None  # and what _block_plan reads from it
     plan: Optional[dict] = None
 
 
@@ -1670,85 +1689,119 @@ class _ModdedAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dm, dlog2_l):
         q, k, v, out, m, log2_l, mask, *captured = ctx.saved_tensors
+        standins = [t.detach().requires_grad_() for t in captured]  # for score_mod to read: _pullback
         opts = replace(ctx.opts, dlse=None if dlog2_l is None else dlog2_l / LN2,  # lse = (m + log2(l)) ln 2
-                       captured=tuple(captured), d_captured=[torch.zeros_like(t) for t in captured])
+                       subs=dict(zip(map(id, ctx.opts.captured), standins)))
         dmask = torch.zeros_like(mask, dtype=m.dtype) if ctx.needs_input_grad[3] else None
         dout = torch.zeros_like(out) if dout is None else dout  # a loss of lse alone
         with _no_autocast(q):
             zeros = (torch.zeros_like(t, dtype=m.dtype) for t in (q, k, v))  # dq, dk, dv to add into
             grads = chunked_backward(dout.contiguous(), *(t.contiguous() for t in (q, k, v)), out, m, log2_l,
                                      *zeros, dmask, opts, ctx.cq)
-        return *grads, None if dmask is None else dmask.to(mask.dtype), None, None, *opts.d_captured
+        return *grads, None if dmask is None else dmask.to(mask.dtype), None, None, *[t.grad for t in standins]
 
 
-def _call_mod(mod, s, rows, cols, B, H, device):
+def _call_mod(mod, s, rows, cols, B, H, device, reads=None):
     """mod on every (b, h, q_idx, kv_idx) of a block as torch's FlexAttention runs it: on scalars, vmapped
     over kv_idx, q_idx, h, b (so table[q_idx][kv_idx] indexes as it reads). s: the block's scores (B, H, rows,
-    cols) for a score_mod, None for a mask_mod. Returns (B, H, rows, cols): scores in s's dtype, or bool."""
+    cols) for a score_mod, None for a mask_mod; reads: a _Reads watching it, eagerly. Returns (B, H, rows,
+    cols): scores in s's dtype, or bool."""
     fn, name = mod, "mask_mod" if s is None else "score_mod"
     for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)):
         fn = torch.vmap(fn, in_dims=dims if s is None else (0, *dims))
     idx = [torch.arange(r.start, r.stop, device=device) for r in (range(B), range(H), rows, cols)]
-    out, shape = fn(*idx) if s is None else fn(s, *idx), tuple(len(i) for i in idx)  # (B, H, rows, cols)
-    if not (torch.is_tensor(out) and out.shape == shape and (out.is_floating_point() ^ (s is None))):
+    with reads if reads is not None and not torch.compiler.is_compiling() else contextlib.nullcontext():
+        out, shape = fn(*idx) if s is None else fn(s, *idx), tuple(len(i) for i in idx)  # (B, H, rows, cols)
+    if not (torch.is_tensor(out) and out.shape == shape and (
+            out.dtype == torch.bool if s is None else out.is_floating_point())):
         raise TypeError(f"{name} must return a {'bool' if s is None else 'float'} for each (b, h, q_idx, "
                         f"kv_idx), as torch's FlexAttention: got {getattr(out, 'dtype', out)} for {shape}")
-    return out if s is None else out.to(s.dtype)
+    if s is None:
+        return out
+    out = out.to(s.dtype)  # worked on in place next: a 0-d tensor of the mod's, vmapped, is expanded, or itself
+    return out.contiguous() if out.numel() > 1 else out.clone()
 
 
 def _pullback(finish, s, opts):
-    """finish(s) (_modded's scores through score_mod) and its gradient's way back to s, adding opts.captured's
-    into opts.d_captured: autograd.grad on the block's graph; under torch.compile, which cannot trace that
-    inside a backward, torch.func.vjp (where captured is empty)."""
+    """finish(s) (_modded's scores through score_mod) and its gradient's way back to s: autograd on the block's
+    graph, the tensors score_mod reads replaced by stand-ins whose .grad adds up over the blocks (opts.subs);
+    under torch.compile, which cannot trace that inside a backward, torch.func.vjp (where it reads none)."""
     if torch.compiler.is_compiling():
         out, vjp = torch.func.vjp(finish, s)
         return out.clone(), lambda ds: vjp(ds)[0]
     with torch.enable_grad():
         s = s.detach().requires_grad_()
-        out = finish(s)
+        out = finish(s, _Reads("score_mod", (s, *opts.subs.values()), opts.subs))
 
     def pullback(ds):
-        ds, *grads = torch.autograd.grad(out, (s, *opts.captured), ds, allow_unused=True, retain_graph=True)
-        for total, g in zip(opts.d_captured, grads):
-            total += 0 if g is None else g
-        return ds
+        if out.requires_grad:  # not where score_mod reads neither the score nor a tensor that requires grad
+            torch.autograd.backward(out, ds, inputs=(s, *opts.subs.values()))
+        return torch.zeros_like(s) if s.grad is None else s.grad
     return out.detach().clone(), pullback  # a copy: the block update works on it in place
 
 
-def _captured(mod, device):
-    """The leaves requiring grad behind the tensors score_mod reads (a closure's, a global, a module's
-    parameter, what they were computed from): the graph of one score it makes, walked."""
+class _Reads(TorchFunctionMode):
+    """A mod's torch calls, watched for tensors that require grad which it reads but did not make from its
+    inputs (a closure's, a global, a module's parameter): those in subs are replaced by their stand-ins (the
+    backward's, so the outer backward runs their hooks once), others are added to found, or without found
+    refused by name. A mask has no gradient; a score_mod's gradient would be lost past its first call."""
+
+    def __init__(self, name, inputs=(), subs=None, found=None):
+        super().__init__()
+        self.name, self.subs, self.found, self.made = name, subs or {}, found, {id(t): t for t in inputs}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs, swap = kwargs or {}, lambda t: self.subs.get(id(t), t)
+        if any(isinstance(a, (list, tuple, dict)) for a in (*args, *kwargs.values())):  # tensors in a list
+            args, kwargs = tree_map(swap, (args, kwargs))
+            flat = tree_flatten((args, kwargs))[0]
+        else:  # the usual call, and the fast one
+            args, kwargs = [swap(a) for a in args], {key: swap(a) for key, a in kwargs.items()}
+            flat = (*args, *kwargs.values())
+        for t in flat:
+            if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in self.made:
+                if self.found is None:
+                    raise ValueError(f"{self.name} reads a tensor that requires grad, {tuple(t.shape)}" + (
+                        ": a mask has no gradient, detach it" if self.name == "mask_mod" else
+                        " that its first call did not read: its gradient would be lost"))
+                self.found[id(t)] = t
+        out = func(*args, **kwargs)
+        made = tree_flatten(out)[0] if isinstance(out, (list, tuple)) else [out]
+        self.made |= {id(t): t for t in made if isinstance(t, torch.Tensor)}
+        return out
+
+
+def _captured(mod, q):
+    """The tensors that require grad which score_mod reads: those its call on one of q's scores reads."""
+    found, s = {}, q.new_zeros(1, 1, 1, 1, dtype=torch.promote_types(q.dtype, torch.float32))
     with torch.enable_grad():
-        out = _call_mod(mod, torch.zeros(1, 1, 1, 1, device=device), *[slice(0, 1)] * 2, 1, 1, device)
+        out = _call_mod(mod, s, *[slice(0, 1)] * 2, 1, 1, q.device, _Reads("score_mod", found=found))
     if out.requires_grad and torch.compiler.is_compiling() and torch.is_grad_enabled():
         raise ValueError("under torch.compile, score_mod may read no tensor that requires grad (_pullback)")
-    leaves, todo = {}, [out.grad_fn] if out.requires_grad else []
-    while todo:
-        node = todo.pop()
-        leaves |= {id(node.variable): node.variable} if hasattr(node, "variable") else {}  # a leaf's
-        todo += [f for f, _ in node.next_functions if f is not None]
-    return tuple(leaves.values())
+    return tuple(found.values())
 
 
 def _block_plan(block_mask, Lk):
-    """A BlockMask read on the host, once a call (a GPU waits): {q0: [k0, ..]}, the key blocks some (b, h)
-    sees from a block of queries, and {(q0, k0): (states, partial)}: states (B or 1, H or 1, 1, 1), 1 where
-    mask_mod decides, 2 where all keys are seen, 0 none, or None if all are 2; partial: any 1."""
+    """A BlockMask read on the host, once a call (a GPU would wait for it): {q0: {k0: (states, partial)}} for
+    the key blocks some (b, h) sees from each block of queries; states (B or 1, H or 1, 1, 1): 2 where all its
+    keys are seen, 1 where mask_mod decides, 0 none, or None if all are 2; partial: any 1."""
     if torch.compiler.is_compiling():
         raise ValueError("a BlockMask is read on the host to choose the blocks: not under torch.compile")
     (cq, ck), nk, plan = block_mask.BLOCK_SIZE, -(-Lk // block_mask.BLOCK_SIZE[1]), {}
     states = block_mask.kv_num_blocks.new_zeros(*block_mask.kv_num_blocks.shape, nk + 1, dtype=torch.int8)
     for value, num, idx in ((1, block_mask.kv_num_blocks, block_mask.kv_indices),
                             (2, block_mask.full_kv_num_blocks, block_mask.full_kv_indices)):
-        if num is not None:  # each row's first num indices; the rest to the last column, a bin
+        if num is not None:  # each row's first num indices; the rest to an extra column, dropped after
             listed = torch.arange(idx.size(-1), device=idx.device) < num[..., None]
+            if not (((idx >= 0) & (idx < nk)) | ~listed).all():
+                raise ValueError(f"a BlockMask lists key blocks outside the {nk} of BLOCK_SIZE {ck} for {Lk} keys")
             states.scatter_(-1, idx.long().masked_fill(~listed, nk), value)
     states = states[..., :nk]  # (B, H, nq, nk)
     seen, partial, full = [x.tolist() for x in ((states > 0).any((0, 1)), (states == 1).any((0, 1)),
                                                 (states == 2).all((0, 1)))]
     for i, j in [(i, j) for i in range(len(seen)) for j in range(nk) if seen[i][j]]:
-        plan.setdefault(i * cq, []).append(j * ck)
-        plan[i * cq, j * ck] = None if full[i][j] else states[:, :, i, j, None, None], partial[i][j]
+        block = None if full[i][j] else states[:, :, i, j, None, None]  # (B or 1, H or 1, 1, 1)
+        plan.setdefault(i * cq, {})[j * ck] = block, partial[i][j]
     return plan
 
 
@@ -1805,14 +1858,17 @@ def _modded(s, mask, rows, cols, opts, backward):
     hidden = None if mask is None else ~mask if mask.dtype == torch.bool else torch.isneginf(mask)
     if mask is not None and mask.is_floating_point():
         s = s.add_(mask.masked_fill(hidden, 0.0))
-    states, partial = (None, False) if opts.plan is None else opts.plan[rows.start, cols.start]
-    if states is not None:  # the BlockMask's verdict: its full blocks, and mask_mod's in its partial ones
-        mod = partial and _call_mod(opts.block_mask.mask_mod, None, rows, cols, *s.shape[:2], s.device)
-        seen = (states == 2) | ((states == 1) & mod) if partial else states == 2
+    states, partial = (None, False) if opts.plan is None else opts.plan[rows.start][cols.start]
+    if states is not None:  # the BlockMask's verdict: all keys of a full block, mask_mod's in a partial one
+        seen = states == 2
+        if partial:
+            seen = seen | ((states == 1) & _call_mod(opts.block_mask.mask_mod, None, rows, cols, *s.shape[:2],
+                                                     s.device))
         hidden = ~seen if hidden is None else hidden | ~seen
 
-    def finish(s):
-        s = s if opts.score_mod is None else _call_mod(opts.score_mod, s, rows, cols, *s.shape[:2], s.device)
+    def finish(s, reads=None):  # reads: the backward's _Reads (_pullback)
+        s = s if opts.score_mod is None else _call_mod(opts.score_mod, s, rows, cols, *s.shape[:2], s.device,
+                                                       reads)
         return s if hidden is None else s.masked_fill(hidden, -math.inf)
     if not backward:
         return finish(s).mul_(LOG2E)
@@ -2151,10 +2207,7 @@ def _check_block_mask(block_mask, q, k):
         raise ValueError(f"a BlockMask of (B, H) = ({Bm}, {Hm}), lengths {tuple(block_mask.seq_lengths)}, "
                          f"BLOCK_SIZE {(cq, ck)}, for q {tuple(q.shape)}, k {tuple(k.shape)}: B and H 1 or "
                          f"q's, its lengths q's and k's, its device q's ({q.device})")
-    mod = block_mask.mask_mod  # as torch's FlexAttention, refuse one reading tensors that require grad
-    cv = inspect.getclosurevars(mod) if inspect.isfunction(mod) or inspect.ismethod(mod) else None
-    if cv and any(torch.is_tensor(t) and t.requires_grad for t in {**cv.nonlocals, **cv.globals}.values()):
-        raise ValueError("mask_mod reads a tensor that requires grad: a mask has no gradient, detach it")
+    _call_mod(block_mask.mask_mod, None, *[slice(0, 1)] * 2, 1, 1, q.device, _Reads("mask_mod"))  # reads
     return cq, ck
 
 

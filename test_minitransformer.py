@@ -2130,6 +2130,53 @@ def test_flex_gradcheck():
     assert torch.autograd.gradcheck(f, inputs)
 
 
+def test_flex_gives_each_learned_tensor_its_gradient_once():
+    # the tensors score_mod reads get their gradient through the user's own graph, once: hooks on a parameter and
+    # on a bias computed from it run as in dense autograd (a backward of each block had run them, 2 g a block),
+    # torch.autograd.grad of that bias works, and one behind a graph of 2^40 paths is found without walking it
+    L = 70
+    q, k, v = make_qkv(1, 2, L, L, 8, seed=13)
+    keep = torch.ones(L, L, dtype=torch.bool).tril()
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    block_mask = mt.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, L, L, BLOCK_SIZE=16)
+
+    def run(attend):
+        param, calls = torch.nn.Parameter(torch.linspace(-1, 1, 2 * L - 1, dtype=torch.float64)), []
+        param.register_hook(lambda g: calls.append(1) or 2 * g)
+        bias = param * 2
+        bias.register_hook(lambda g: g.clamp(-0.5, 0.5))
+        deep = bias
+        for _ in range(40):
+            deep = deep + 0 * deep  # two edges to the same node
+        out = attend(deep)
+        grad_bias = torch.autograd.grad(out.square().sum(), bias, retain_graph=True)[0]
+        out.square().sum().backward()
+        return out, grad_bias, param.grad, torch.tensor(len(calls))
+    ours = run(lambda t: mt.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + t[qi - ki + L - 1], block_mask))
+    dense = run(lambda t: dense_flex(q, k, v, lambda s: s + t[i - j + L - 1], keep))
+    for what, a, b in zip(("out", "grad of the bias", "grad of the parameter", "hook calls"), ours, dense):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=lambda m: f"{what}: {m}")
+
+
+def test_flex_refuses_a_gradient_it_did_not_see():
+    # score_mod's learned tensors are found by its first call, on one score of the inputs' precision: one read only
+    # in float64 is found; one read only after the first call is refused by name when its gradient is taken
+    L = 30
+    q, k, v = make_qkv(1, 2, L, L, 8, seed=14)
+    table = torch.randn(2 * L - 1, dtype=torch.float64, requires_grad=True)
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    out = mt.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + (table[qi - ki + L - 1] if s.dtype == torch.float64
+                                                                   else 0))
+    got = torch.autograd.grad(out.sum(), table)[0]
+    want = torch.autograd.grad(dense_flex(q, k, v, lambda s: s + table[i - j + L - 1]).sum(), table)[0]
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+    calls = []
+    later = lambda s, b, h, qi, ki: s if not calls.append(1) and len(calls) == 1 else s + table[qi - ki + L - 1]  # noqa
+    out = mt.flex_attention(q.requires_grad_(), k, v, later)
+    with pytest.raises(ValueError, match=r"score_mod reads a tensor that requires grad, \(59,\) that its first call"):
+        out.sum().backward()
+
+
 def test_create_block_mask_gives_torchs_blocks():
     # every mask of the set, B and H None or given (a mask_mod reading b and h), awkward lengths and rectangular
     # blocks: the same partial and full blocks as torch's create_block_mask, and the same to_dense()
@@ -2197,6 +2244,20 @@ def test_flex_mods_see_torchs_conventions():
     torch.testing.assert_close(half, dense_flex(q, q, q, lambda s: s.half().double()), atol=1e-10, rtol=0)
     with pytest.raises(TypeError, match="score_mod must return a float for each"):
         mt.flex_attention(q, q, q, lambda s, b, h, i, j: i - j)
+    per_head = torch.randn(4, dtype=torch.float64)  # mods that ignore the score: vmap returns them expanded
+    for mod in (lambda s, b, h, i, j: per_head[h], lambda s, b, h, i, j: (i - j).double()):
+        torch.testing.assert_close(mt.flex_attention(q, q, q, mod), torch_flex.flex_attention(q, q, q, mod),
+                                   atol=1e-10, rtol=0)
+    for request in (torch_flex.AuxRequest(), torch_flex.AuxRequest(lse=True)):  # torch's (out, AuxOutput(lse))
+        (out, aux), (ref, ref_aux) = (f(q, k, v, return_aux=request, enable_gqa=True)
+                                      for f in (mt.flex_attention, torch_flex.flex_attention))
+        torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+        assert (aux.lse is None) == (ref_aux.lse is None) == (not request.lse) and aux.max_scores is None
+        if request.lse:
+            torch.testing.assert_close(aux.lse, ref_aux.lse, atol=1e-10, rtol=0)
+    one, c = q[:1, :1, :1], torch.tensor(0.5, dtype=torch.float64)
+    mt.flex_attention(one, one, one, lambda s, b, h, i, j: c)  # its (1, 1, 1, 1) result is c itself, a view
+    assert c.item() == 0.5
     leaves = [t.clone().requires_grad_() for t in (q, q, q)]
     none_left = mt.create_block_mask(lambda b, h, i, j: (i != 3) & (j > i - 100), None, None, 8, 8, BLOCK_SIZE=4)
     for kw in (dict(block_mask=none_left), dict(score_mod=lambda s, b, h, i, j: torch.where(i == 3, -math.inf, s))):
@@ -2270,6 +2331,21 @@ def test_flex_refuses_by_name():
     w = torch.randn(20, requires_grad=True)
     with pytest.raises(ValueError, match="mask_mod reads a tensor that requires grad"):
         mt.flex_attention(q, k, v, block_mask=mt.create_block_mask(lambda b, h, i, j: w[i] > 0, None, None, 20, 20))
+    torchs = torch_flex.create_block_mask(lambda b, h, i, j: [w.detach()][0][i] > 0, None, None, 20, 20, "cpu")
+    torchs.mask_mod = lambda b, h, i, j: [w][0][i] > 0  # a tensor reached through a list, on torch's BlockMask
+    with pytest.raises(ValueError, match=r"mask_mod reads a tensor that requires grad, \(20,\): a mask has no"):
+        mt.flex_attention(q, k, v, block_mask=torchs)
+    with pytest.raises(TypeError, match="mask_mod must return a bool for each"):  # torch: mask.dtype must be bool
+        mt.create_block_mask(lambda b, h, i, j: i - j, None, None, 20, 20)
+    beyond = torch_flex.BlockMask.from_kv_blocks(torch.ones(1, 1, 2, dtype=torch.int32),  # block 2 of 0 .. 1
+                                                 torch.tensor([[[[0, 1], [2, 0]]]], dtype=torch.int32),
+                                                 BLOCK_SIZE=16, seq_lengths=(20, 20))
+    with pytest.raises(ValueError, match="a BlockMask lists key blocks outside the 2 of BLOCK_SIZE 16 for 20 keys"):
+        mt.flex_attention(q, k, v, block_mask=beyond)
+    for aux, what in ((dict(return_lse=True, return_aux=torch_flex.AuxRequest(lse=True)), "not with return_lse"),
+                      (dict(return_aux=torch_flex.AuxRequest(max_scores=True)), "nor max_scores")):
+        with pytest.raises(ValueError, match="return_aux: .*" + what):
+            mt.flex_attention(q, k, v, **aux)
     mha = mt.MultiHeadAttention(32, 4, score_mod=lambda s, b, h, i, j: s)
     with pytest.raises(ValueError, match="FlexAttention's mods .* not with need_weights"):
         mha(torch.randn(1, 20, 32), need_weights=True)
@@ -2298,6 +2374,8 @@ def test_a_model_trains_a_learned_bias_through_score_mod():
                                       BLOCK_SIZE=16)
     keep = ((docs[:, None] == docs[None, :]) & torch.ones(L, L, dtype=torch.bool).tril())
     i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    assert sum(p is bias.table for p in enc.parameters()) == 1 and "layers.0.self_attn.score_owner.table" in (
+        enc.state_dict())
     idx = torch.randint(0, 20, (2, L), generator=torch.Generator().manual_seed(12))
     out = enc(idx, block_mask)
     grad = torch.autograd.grad(out.square().sum(), bias.table)[0]
@@ -2315,9 +2393,9 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from test_minitransformer import LearnedBias
 warnings.simplefilter("ignore")
 torch.manual_seed(0)
-layer = mt.EncoderLayer(32, 2, 32, dropout=0.0, impl="chunked", chunk_size=32)
+layer = mt.EncoderLayer(32, 2, 32, dropout=0.0, impl="chunked", chunk_size=128)
 layer.self_attn.score_mod = lambda s, b, h, i, j: 30 * torch.tanh(s / 30)
-x = torch.randn(2, 64, 32, requires_grad=True)
+x = torch.randn(2, 256, 32, requires_grad=True)
 out = layer(x, is_causal=True)
 eager = [out, torch.autograd.grad(out.sum(), x)[0]]
 counter = CompileCounterWithBackend("aot_eager")
@@ -2325,8 +2403,8 @@ out = torch.compile(layer, backend=counter, fullgraph=True)(x, is_causal=True)
 torch.testing.assert_close([out, torch.autograd.grad(out.sum(), x)[0]], eager, atol=1e-6, rtol=1e-6)
 assert counter.frame_count == 1
 refused = []
-block_mask = mt.create_block_mask(lambda b, h, i, j: i >= j, None, None, 64, 64, BLOCK_SIZE=32)
-for kw, mod in ((dict(attn_mask=block_mask), layer.self_attn.score_mod), (dict(is_causal=True), LearnedBias(2, 64).float().mod)):
+block_mask = mt.create_block_mask(lambda b, h, i, j: i >= j, None, None, 256, 256, BLOCK_SIZE=128)
+for kw, mod in ((dict(attn_mask=block_mask), layer.self_attn.score_mod), (dict(is_causal=True), LearnedBias(2, 256).float().mod)):
     layer.self_attn.score_mod = mod
     try:
         torch.compile(layer, backend="aot_eager", fullgraph=True)(x, **kw)
@@ -2338,9 +2416,9 @@ assert "under torch.compile, score_mod may read no tensor that requires grad" in
 
 
 def test_flex_compiles_to_one_graph():
-    # torch.compile(fullgraph=True) of an encoder layer on the flex path (a softcap, causal), forward and backward,
-    # equals eager in one graph; refused by name there: a BlockMask (read on the host to choose blocks) and a
-    # score_mod reading tensors that require grad (torch.autograd.grad cannot be traced inside a backward). In a
+    # torch.compile(fullgraph=True) of an encoder layer on the flex path (a softcap, causal, n = 256 in 2 x 2 blocks),
+    # forward and backward, equals eager in one graph; refused by name there: a BlockMask (read on the host to choose blocks) and a
+    # score_mod reading tensors that require grad (autograd cannot be traced inside a backward). In a
     # process of its own: after a refused trace, torch 2.13 holds about 2 MiB more at the peak of later eager calls
     run = subprocess.run([sys.executable, "-c", FLEX_COMPILE_CHECK], cwd=os.path.dirname(mt.__file__),
                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -3633,6 +3711,12 @@ def test_packed_study_counts_the_pairs_each_path_computes(monkeypatch):
         mt.chunked_attention(q, k, v, is_causal=causal, cu_seqlens=torch.tensor(offsets), chunk_size=(32, 16)).sum().backward()
         point = {"n": n, "docs": docs, "causal": causal, "window": None, "chunk_size": (32, 16), "device": "cpu:x"}
         assert cost_model.computed_pairs({**point, "path": "chunked"}) == sum(scored) / 2
+        scored.clear()  # flex: the study's mask_mod, its BlockMask at those blocks
+        doc_ids = mt.documents(torch.tensor(offsets), n)[0]
+        mt.flex_attention(q, k, v, block_mask=mt.create_block_mask(
+            lambda b, h, i, j: (doc_ids[i] == doc_ids[j]) & ((i >= j) | (not causal)), None, None, n, n,
+            BLOCK_SIZE=(32, 16))).sum().backward()
+        assert cost_model.computed_pairs({**point, "path": "flex"}) == sum(scored) / 2
         assert cost_model.computed_pairs({**point, "path": "naive"}) == cost_model.computed_pairs(
             {**point, "path": "flash"}) == n * n
     visible = sum((b - a) ** 2 for a, b in zip(offsets, offsets[1:]))
