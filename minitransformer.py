@@ -71,6 +71,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 from torch.nn.attention.bias import CausalBias, CausalVariant
 from torch.nn.attention.flex_attention import AuxOutput, BlockMask
+from torch._C._functorch import is_batchedtensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -1492,9 +1493,11 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
         cq, ck = (cq, ck) if block_mask is None else _check_block_mask(block_mask, q, k)
         opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens,
                              alibi_slopes, shift, base=1.0)
-        opts.score_mod, opts.captured = score_mod, () if score_mod is None else _captured(score_mod, q)
+        opts.score_mod, opts.reads = score_mod, {} if score_mod is None else _first_reads(score_mod, q)
+        opts.captured = tuple(t for t, _ in opts.reads.values() if t.requires_grad)
         if block_mask is not None:
             opts.block_mask, opts.plan = block_mask, _block_plan(block_mask, k.size(-2))
+            opts.mask_reads = _first_reads(block_mask.mask_mod, q, score=False)
         out, m, log2_l = _ModdedAttention.apply(q, k, v, attn_mask, opts, cq, *opts.captured)
     else:
         out, m, log2_l = _chunked_fwd(q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p,
@@ -1515,7 +1518,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     is float32 (float64 for float64), h the query head. block_mask (create_block_mask) holds mask_mod and the
     key blocks each block of queries visits; mask_mod runs in its partial ones only, as in torch's compiled
     kernels. return_lse, or return_aux=AuxRequest(lse=True): also lse (B, H, Lq), -inf where a query sees no
-    key (its output 0). kernel_options is ignored."""
+    key (its output 0). kernel_options is ignored. The backward calls the mods again: a tensor they read must
+    be the forward's, unchanged (_Reads checks it), and so must any Python value they read."""
     if block_mask is not None and not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be torch's BlockMask, not a {type(block_mask).__name__}")
     if return_aux is not None and (return_lse or return_aux.max_scores):
@@ -1571,11 +1575,13 @@ class BlockOptions:
     alibi_slopes: Optional[torch.Tensor] = None  # (B or 1, H, 1, 1), in the scores' base
     dlse: Optional[torch.Tensor] = None  # the backward's: the gradient of return_lse's lse, (B, H, Lq, 1)
     base: float = LOG2E  # scores in base 2 as they are made; with mods in nats until the mods have run
-    score_mod: Optional[Callable] = None  # flex_attention's, and the tensors it reads that require grad
-    captured: tuple = ()
-    subs: Optional[dict] = None  # the backward's: {id(captured tensor): its stand-in} (_pullback)
-    block_mask: Optional[BlockMask] = None  # and what _block_plan reads from it
+    score_mod: Optional[Callable] = None  # flex_attention's, what its first call read (_Reads), and of that
+    reads: Optional[dict] = None  # the tensors that require grad (captured); the backward's stand-ins of
+    captured: tuple = ()  # those (subs: {id(captured tensor): stand-in}, _pullback)
+    subs: Optional[dict] = None
+    block_mask: Optional[BlockMask] = None  # what _block_plan reads from it; what its mask_mod read
     plan: Optional[dict] = None
+    mask_reads: Optional[dict] = None
 
 
 def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens=None,
@@ -1686,8 +1692,9 @@ class _ModdedAttention(torch.autograd.Function):
         return out, m, log2_l
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dm, dlog2_l):
+        if torch.is_grad_enabled():  # create_graph=True: this backward has no backward of its own
+            raise RuntimeError("flex_attention's backward cannot be differentiated (create_graph=True)")
         q, k, v, out, m, log2_l, mask, *captured = ctx.saved_tensors
         standins = [t.detach().requires_grad_() for t in captured]  # for score_mod to read: _pullback
         opts = replace(ctx.opts, dlse=None if dlog2_l is None else dlog2_l / LN2,  # lse = (m + log2(l)) ln 2
@@ -1709,8 +1716,8 @@ def _call_mod(mod, s, rows, cols, B, H, device, reads=None):
     fn, name = mod, "mask_mod" if s is None else "score_mod"
     for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)):
         fn = torch.vmap(fn, in_dims=dims if s is None else (0, *dims))
-    idx = [torch.arange(r.start, r.stop, device=device) for r in (range(B), range(H), rows, cols)]
     with reads if reads is not None and not torch.compiler.is_compiling() else contextlib.nullcontext():
+        idx = [torch.arange(r.start, r.stop, device=device) for r in (range(B), range(H), rows, cols)]
         out, shape = fn(*idx) if s is None else fn(s, *idx), tuple(len(i) for i in idx)  # (B, H, rows, cols)
     if not (torch.is_tensor(out) and out.shape == shape and (
             out.dtype == torch.bool if s is None else out.is_floating_point())):
@@ -1731,7 +1738,7 @@ def _pullback(finish, s, opts):
         return out.clone(), lambda ds: vjp(ds)[0]
     with torch.enable_grad():
         s = s.detach().requires_grad_()
-        out = finish(s, _Reads("score_mod", (s, *opts.subs.values()), opts.subs))
+        out = finish(s, _Reads("score_mod", (s, *opts.subs.values()), seen=opts.reads, subs=opts.subs))
 
     def pullback(ds):
         if out.requires_grad:  # not where score_mod reads neither the score nor a tensor that requires grad
@@ -1740,45 +1747,62 @@ def _pullback(finish, s, opts):
     return out.detach().clone(), pullback  # a copy: the block update works on it in place
 
 
-class _Reads(TorchFunctionMode):
-    """A mod's torch calls, watched for tensors that require grad which it reads but did not make from its
-    inputs (a closure's, a global, a module's parameter): those in subs are replaced by their stand-ins (the
-    backward's, so the outer backward runs their hooks once), others are added to found, or without found
-    refused by name. A mask has no gradient; a score_mod's gradient would be lost past its first call."""
+_SHAPES = {torch.Tensor.dim, torch.Tensor.size, torch.Tensor.__len__}
 
-    def __init__(self, name, inputs=(), subs=None, found=None):
+
+class _Reads(TorchFunctionMode):
+    """A mod's torch calls, watched for the tensors it reads but did not make from its inputs (a closure's, a
+    global, a module's). Its first call puts them in found, with their versions. Called again by the backward
+    (seen: what was found; subs: stand-ins for those that require grad, whose gradients reach the user's tensors
+    through the outer backward, once, hooks included), a tensor not read then, or changed since, is refused:
+    the backward would recompute another forward. A mask_mod may read none that requires grad."""
+
+    def __init__(self, name, inputs=(), found=None, seen=None, subs=None):
         super().__init__()
-        self.name, self.subs, self.found, self.made = name, subs or {}, found, {id(t): t for t in inputs}
+        self.name, self.found, self.seen, self.subs = name, found, seen, subs or {}
+        self.made = {id(t): t for t in inputs}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _SHAPES:  # vmap's many questions, which read no values
+            return func(*args, **(kwargs or {}))
         kwargs, swap = kwargs or {}, lambda t: self.subs.get(id(t), t)
         if any(isinstance(a, (list, tuple, dict)) for a in (*args, *kwargs.values())):  # tensors in a list
             args, kwargs = tree_map(swap, (args, kwargs))
-            flat = tree_flatten((args, kwargs))[0]
+            flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         else:  # the usual call, and the fast one
             args, kwargs = [swap(a) for a in args], {key: swap(a) for key, a in kwargs.items()}
-            flat = (*args, *kwargs.values())
-        for t in flat:
-            if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in self.made:
-                if self.found is None:
-                    raise ValueError(f"{self.name} reads a tensor that requires grad, {tuple(t.shape)}" + (
-                        ": a mask has no gradient, detach it" if self.name == "mask_mod" else
-                        " that its first call did not read: its gradient would be lost"))
-                self.found[id(t)] = t
+            flat = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        for t in (t for t in flat if id(t) not in self.made and not is_batchedtensor(t)):  # not vmap's own
+            self.read(t)
         out = func(*args, **kwargs)
         made = tree_flatten(out)[0] if isinstance(out, (list, tuple)) else [out]
         self.made |= {id(t): t for t in made if isinstance(t, torch.Tensor)}
         return out
 
+    def read(self, t):
+        if type(t) not in (torch.Tensor, nn.Parameter):  # its own __torch_function__ would read unwatched
+            raise ValueError(f"{self.name} reads a {type(t).__name__}: a tensor subclass, whose reads are not seen")
+        if t.requires_grad and self.name == "mask_mod":
+            raise ValueError(f"mask_mod reads a tensor that requires grad, {tuple(t.shape)}: a mask has no "
+                             "gradient, detach it")
+        if self.found is not None:
+            self.found[id(t)] = t, t._version
+        elif self.seen is not None:  # the backward's call
+            was, version = self.seen.get(id(t), (None, -1))
+            if was is not t or version != t._version:
+                raise ValueError(f"{self.name} reads a tensor {tuple(t.shape)} that its forward did not, or that "
+                                 "has changed since: the backward, which calls it again, would not be that forward's")
 
-def _captured(mod, q):
-    """The tensors that require grad which score_mod reads: those its call on one of q's scores reads."""
-    found, s = {}, q.new_zeros(1, 1, 1, 1, dtype=torch.promote_types(q.dtype, torch.float32))
+
+def _first_reads(mod, q, score=True):
+    """What a mod (score_mod, or mask_mod) reads on its first call, on one of q's scores: _Reads's found."""
+    found, s = {}, q.new_zeros(1, 1, 1, 1, dtype=torch.promote_types(q.dtype, torch.float32)) if score else None
     with torch.enable_grad():
-        out = _call_mod(mod, s, *[slice(0, 1)] * 2, 1, 1, q.device, _Reads("score_mod", found=found))
-    if out.requires_grad and torch.compiler.is_compiling() and torch.is_grad_enabled():
+        out = _call_mod(mod, s, *[slice(0, 1)] * 2, 1, 1, q.device,
+                        _Reads("score_mod" if score else "mask_mod", [s] * score, found=found))
+    if score and out.requires_grad and torch.compiler.is_compiling() and torch.is_grad_enabled():
         raise ValueError("under torch.compile, score_mod may read no tensor that requires grad (_pullback)")
-    return tuple(found.values())
+    return found
 
 
 def _block_plan(block_mask, Lk):
@@ -1862,8 +1886,9 @@ def _modded(s, mask, rows, cols, opts, backward):
     if states is not None:  # the BlockMask's verdict: all keys of a full block, mask_mod's in a partial one
         seen = states == 2
         if partial:
+            reads = _Reads("mask_mod", seen=opts.mask_reads) if backward else None  # as in the forward
             seen = seen | ((states == 1) & _call_mod(opts.block_mask.mask_mod, None, rows, cols, *s.shape[:2],
-                                                     s.device))
+                                                     s.device, reads))
         hidden = ~seen if hidden is None else hidden | ~seen
 
     def finish(s, reads=None):  # reads: the backward's _Reads (_pullback)
@@ -2207,7 +2232,6 @@ def _check_block_mask(block_mask, q, k):
         raise ValueError(f"a BlockMask of (B, H) = ({Bm}, {Hm}), lengths {tuple(block_mask.seq_lengths)}, "
                          f"BLOCK_SIZE {(cq, ck)}, for q {tuple(q.shape)}, k {tuple(k.shape)}: B and H 1 or "
                          f"q's, its lengths q's and k's, its device q's ({q.device})")
-    _call_mod(block_mask.mask_mod, None, *[slice(0, 1)] * 2, 1, 1, q.device, _Reads("mask_mod"))  # reads
     return cq, ck
 
 

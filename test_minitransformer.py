@@ -73,6 +73,7 @@ import re
 import subprocess
 import sys
 import time
+import types
 import warnings
 
 import pytest
@@ -80,6 +81,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._pytree import tree_map
 
 import approximate_attention as approx
 import cost_model
@@ -2158,11 +2160,30 @@ def test_flex_gives_each_learned_tensor_its_gradient_once():
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=lambda m: f"{what}: {m}")
 
 
-def test_flex_refuses_a_gradient_it_did_not_see():
-    # score_mod's learned tensors are found by its first call, on one score of the inputs' precision: one read only
-    # in float64 is found; one read only after the first call is refused by name when its gradient is taken
+class Scaled(torch.Tensor):
+    """A tensor standing for inner * scale, computed inside its own __torch_function__ (a reparametrised weight)."""
+
+    @staticmethod
+    def __new__(cls, inner, scale):
+        new = torch.Tensor._make_subclass(cls, inner.detach(), False)
+        new.inner, new.scale = inner, scale
+        return new
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda a: a.inner * a.scale if isinstance(a, Scaled) else a  # noqa: E731
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+def test_flex_refuses_what_its_backward_cannot_recompute():
+    # the backward calls the mods again: what score_mod reads that requires grad is found by its first call, on a
+    # score of the inputs' precision (one read only in float64 is found); a tensor read only after the first
+    # call, one a mod reads changed in place after the forward, or one rebound, are refused by name, as a read
+    # hidden inside a tensor subclass and a second-order backward are: each had given silently wrong gradients
     L = 30
     q, k, v = make_qkv(1, 2, L, L, 8, seed=14)
+    q.requires_grad_()
     table = torch.randn(2 * L - 1, dtype=torch.float64, requires_grad=True)
     i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
     out = mt.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + (table[qi - ki + L - 1] if s.dtype == torch.float64
@@ -2170,11 +2191,26 @@ def test_flex_refuses_a_gradient_it_did_not_see():
     got = torch.autograd.grad(out.sum(), table)[0]
     want = torch.autograd.grad(dense_flex(q, k, v, lambda s: s + table[i - j + L - 1]).sum(), table)[0]
     torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
-    calls = []
+    calls, holder = [], types.SimpleNamespace(bias=torch.randn(2 * L - 1, dtype=torch.float64))
     later = lambda s, b, h, qi, ki: s if not calls.append(1) and len(calls) == 1 else s + table[qi - ki + L - 1]  # noqa
-    out = mt.flex_attention(q.requires_grad_(), k, v, later)
-    with pytest.raises(ValueError, match=r"score_mod reads a tensor that requires grad, \(59,\) that its first call"):
-        out.sum().backward()
+    const, docs = holder.bias.clone(), (torch.arange(L) >= 10).long()
+    block_mask = mt.create_block_mask(lambda b, h, qi, ki: docs[qi] == docs[ki], None, None, L, L, BLOCK_SIZE=8)
+    for mod, mask, change in ((later, None, lambda: None),
+                              (lambda s, b, h, qi, ki: s + const[qi - ki + L - 1], None, lambda: const.add_(1)),
+                              (lambda s, b, h, qi, ki: s + holder.bias[qi - ki + L - 1], None,
+                               lambda: setattr(holder, "bias", holder.bias + 1)),
+                              (None, block_mask, lambda: docs.fill_(0))):
+        out = mt.flex_attention(q, k, v, mod, mask)
+        change()
+        with pytest.raises(ValueError, match=r"mod reads a tensor \(\d+,\) that its forward did not, or that has "
+                                             "changed since"):
+            out.sum().backward()
+    scaled = Scaled(torch.randn(2 * L - 1, dtype=torch.float64, requires_grad=True), 2.0)
+    with pytest.raises(ValueError, match="score_mod reads a Scaled: a tensor subclass, whose reads are not seen"):
+        mt.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + scaled[qi - ki + L - 1])
+    out = mt.flex_attention(q, k, v, lambda s, b, h, qi, ki: 5 * torch.tanh(s / 5))
+    with pytest.raises(RuntimeError, match="flex_attention's backward cannot be differentiated"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
 
 
 def test_create_block_mask_gives_torchs_blocks():
