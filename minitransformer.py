@@ -622,7 +622,10 @@ class Encoder(nn.Module):
                          alibi=c.pos_encoding == "alibi", n_kv_heads=c.n_kv_heads, score_mod=score_mod)
             for _ in range(c.n_layers))
         self.norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps) if c.norm_first else nn.Identity()
-        self.apply(self._init_weights)
+        user = getattr(score_mod, "__self__", score_mod)  # a score_mod module keeps its own initialisation
+        theirs = set(user.modules()) if isinstance(user, nn.Module) else set()
+        for module in (m for m in self.modules() if m not in theirs):
+            self._init_weights(module)
         for layer in self.layers:  # residual projections: variance of the sum grows with depth (GPT-2)
             for w in (layer.self_attn.proj.weight, layer.linear2.weight):
                 nn.init.normal_(w, std=0.02 / math.sqrt(2 * c.n_layers))
@@ -1496,8 +1499,8 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
         opts.score_mod, opts.reads = score_mod, {} if score_mod is None else _first_reads(score_mod, q)
         opts.captured = tuple(t for t, _ in opts.reads.values() if t.requires_grad)
         if block_mask is not None:
-            opts.block_mask, opts.plan = block_mask, _block_plan(block_mask, k.size(-2))
-            opts.mask_reads = _first_reads(block_mask.mask_mod, q, score=False)
+            opts.mask_mod, opts.plan = block_mask.mask_mod, _block_plan(block_mask, k.size(-2))
+            opts.mask_reads = _first_reads(opts.mask_mod, q, score=False)
         out, m, log2_l = _ModdedAttention.apply(q, k, v, attn_mask, opts, cq, *opts.captured)
     else:
         out, m, log2_l = _chunked_fwd(q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p,
@@ -1579,7 +1582,7 @@ class BlockOptions:
     reads: Optional[dict] = None  # the tensors that require grad (captured); the backward's stand-ins of
     captured: tuple = ()  # those (subs: {id(captured tensor): stand-in}, _pullback)
     subs: Optional[dict] = None
-    block_mask: Optional[BlockMask] = None  # what _block_plan reads from it; what its mask_mod read
+    mask_mod: Optional[Callable] = None  # a BlockMask's, what _block_plan reads from it, what mask_mod read
     plan: Optional[dict] = None
     mask_reads: Optional[dict] = None
 
@@ -1785,23 +1788,29 @@ class _Reads(TorchFunctionMode):
         if t.requires_grad and self.name == "mask_mod":
             raise ValueError(f"mask_mod reads a tensor that requires grad, {tuple(t.shape)}: a mask has no "
                              "gradient, detach it")
+        version = None if t.is_inference() else t._version  # an inference tensor keeps none
         if self.found is not None:
-            self.found[id(t)] = t, t._version
+            self.found[id(t)] = t, version
         elif self.seen is not None:  # the backward's call
-            was, version = self.seen.get(id(t), (None, -1))
-            if was is not t or version != t._version:
+            was, seen_version = self.seen.get(id(t), (None, -1))
+            if was is not t or seen_version != version:
                 raise ValueError(f"{self.name} reads a tensor {tuple(t.shape)} that its forward did not, or that "
                                  "has changed since: the backward, which calls it again, would not be that forward's")
 
 
 def _first_reads(mod, q, score=True):
     """What a mod (score_mod, or mask_mod) reads on its first call, on one of q's scores: _Reads's found."""
-    found, s = {}, q.new_zeros(1, 1, 1, 1, dtype=torch.promote_types(q.dtype, torch.float32)) if score else None
+    name, found = "score_mod" if score else "mask_mod", {}
+    if isinstance(mod, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):  # as torch's flex_attention
+        raise ValueError(f"{name}: a TorchScript function, whose reads cannot be seen: pass it as Python")
+    s = q.new_zeros(1, 1, 1, 1, dtype=torch.promote_types(q.dtype, torch.float32)) if score else None
     with torch.enable_grad():
-        out = _call_mod(mod, s, *[slice(0, 1)] * 2, 1, 1, q.device,
-                        _Reads("score_mod" if score else "mask_mod", [s] * score, found=found))
+        out = _call_mod(mod, s, *[slice(0, 1)] * 2, 1, 1, q.device, _Reads(name, [s] * score, found=found))
     if score and out.requires_grad and torch.compiler.is_compiling() and torch.is_grad_enabled():
         raise ValueError("under torch.compile, score_mod may read no tensor that requires grad (_pullback)")
+    if out.requires_grad and not torch.compiler.is_compiling() and not any(t.requires_grad for t, _ in
+                                                                           found.values()):
+        raise ValueError(f"{name} reads a tensor that requires grad where no torch function call shows it")
     return found
 
 
@@ -1870,7 +1879,7 @@ def _scores(q_i, k, rows, cols, opts, backward=False):
                       alibi_slopes=opts.alibi_slopes, scores=s, device=q_i.device)
     if opts.mask is not None and opts.mask.is_floating_point():
         mask = _finite_bias(mask, s.dtype, opts.base)
-    if opts.score_mod is None and opts.block_mask is None:
+    if opts.score_mod is None and opts.plan is None:
         return (_apply_mask(s, mask), None) if backward else _apply_mask(s, mask)
     return _modded(s, mask, rows, cols, opts, backward)
 
@@ -1887,7 +1896,7 @@ def _modded(s, mask, rows, cols, opts, backward):
         seen = states == 2
         if partial:
             reads = _Reads("mask_mod", seen=opts.mask_reads) if backward else None  # as in the forward
-            seen = seen | ((states == 1) & _call_mod(opts.block_mask.mask_mod, None, rows, cols, *s.shape[:2],
+            seen = seen | ((states == 1) & _call_mod(opts.mask_mod, None, rows, cols, *s.shape[:2],
                                                      s.device, reads))
         hidden = ~seen if hidden is None else hidden | ~seen
 

@@ -2205,6 +2205,23 @@ def test_flex_refuses_what_its_backward_cannot_recompute():
         with pytest.raises(ValueError, match=r"mod reads a tensor \(\d+,\) that its forward did not, or that has "
                                              "changed since"):
             out.sum().backward()
+    docs = (torch.arange(L) >= 10).long()  # the mask_mod the forward used, even if replaced before the backward
+    block_mask = mt.create_block_mask(lambda b, h, qi, ki: docs[qi] == docs[ki], None, None, L, L, BLOCK_SIZE=8)
+    mask_mod = block_mask.mask_mod
+    out, ref = mt.flex_attention(q, k, v, block_mask=block_mask), dense_flex(q, k, v, None, docs[i] == docs[j])
+    block_mask.mask_mod = lambda b, h, qi, ki: (docs[qi] == docs[ki]) & (qi >= ki)  # as users set a slice's
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), q)[0], torch.autograd.grad(ref.sum(), q)[0],
+                               atol=1e-10, rtol=0)
+    assert mask_mod is not block_mask.mask_mod
+    table_module = torch.jit.script(LearnedBias(2, L))
+    with pytest.raises(ValueError, match="score_mod: a TorchScript function, whose reads cannot be seen"):
+        mt.flex_attention(q, k, v, table_module)
+
+    def unwatched(s, b, h, qi, ki):
+        with torch._C.DisableTorchFunction():
+            return s + table[qi - ki + L - 1]
+    with pytest.raises(ValueError, match="score_mod reads a tensor that requires grad where no torch function"):
+        mt.flex_attention(q, k, v, unwatched)
     scaled = Scaled(torch.randn(2 * L - 1, dtype=torch.float64, requires_grad=True), 2.0)
     with pytest.raises(ValueError, match="score_mod reads a Scaled: a tensor subclass, whose reads are not seen"):
         mt.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + scaled[qi - ki + L - 1])
@@ -2291,6 +2308,10 @@ def test_flex_mods_see_torchs_conventions():
         assert (aux.lse is None) == (ref_aux.lse is None) == (not request.lse) and aux.max_scores is None
         if request.lse:
             torch.testing.assert_close(aux.lse, ref_aux.lse, atol=1e-10, rtol=0)
+    with torch.inference_mode():  # a tensor made there has no version for the backward to check: read as any
+        frozen = torch.randn(4, dtype=torch.float64)
+    torch.testing.assert_close(mt.flex_attention(q, q, q, lambda s, b, h, i, j: s + frozen[h]),
+                               dense_flex(q, q, q, lambda s: s + frozen[:, None, None]), atol=1e-10, rtol=0)
     one, c = q[:1, :1, :1], torch.tensor(0.5, dtype=torch.float64)
     mt.flex_attention(one, one, one, lambda s, b, h, i, j: c)  # its (1, 1, 1, 1) result is c itself, a view
     assert c.item() == 0.5
@@ -2400,9 +2421,12 @@ def test_a_model_trains_a_learned_bias_through_score_mod():
     L, H = 40, 2
     cfg = mt.EncoderConfig(vocab_size=20, max_len=L, d_model=32, n_heads=H, n_layers=2, d_ff=32, impl="naive",
                            pos_encoding="rope")
-    bias = LearnedBias(H, L)
+    bias, zeros = LearnedBias(H, L), nn.Embedding(2 * L - 1, H)
+    nn.init.zeros_(zeros.weight)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        mt.Encoder(cfg, score_mod=zeros)  # a module (here only built): its own initialisation, not the Encoder's
+        assert not zeros.weight.any()
         enc = randomized(mt.Encoder(cfg, score_mod=bias.mod).double())
         dense = randomized(mt.Encoder(cfg).double())
     docs = (torch.arange(L) >= 15).long()
