@@ -1762,8 +1762,9 @@ class _Reads(TorchFunctionMode):
 
     def __init__(self, name, inputs=(), found=None, seen=None, subs=None):
         super().__init__()
-        self.name, self.found, self.seen, self.subs = name, found, seen, subs or {}
-        self.made = {id(t): t for t in inputs}
+        frozen = {key: was for key, (_, was) in (seen or {}).items() if isinstance(was, torch.Tensor)}
+        self.name, self.found, self.seen, self.subs = name, found, seen, {**(subs or {}), **frozen}
+        self.made = {id(t): t for t in (*inputs, *self.subs.values())}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _SHAPES:  # vmap's many questions, which read no values
@@ -1788,12 +1789,11 @@ class _Reads(TorchFunctionMode):
         if t.requires_grad and self.name == "mask_mod":
             raise ValueError(f"mask_mod reads a tensor that requires grad, {tuple(t.shape)}: a mask has no "
                              "gradient, detach it")
-        version = None if t.is_inference() else t._version  # an inference tensor keeps none
-        if self.found is not None:
-            self.found[id(t)] = t, version
+        if self.found is not None:  # an inference tensor has no version: its values then, read in its place
+            self.found[id(t)] = t, t.clone() if t.is_inference() else t._version
         elif self.seen is not None:  # the backward's call
-            was, seen_version = self.seen.get(id(t), (None, -1))
-            if was is not t or seen_version != version:
+            was, version = self.seen.get(id(t), (None, -1))
+            if was is not t or version != t._version:
                 raise ValueError(f"{self.name} reads a tensor {tuple(t.shape)} that its forward did not, or that "
                                  "has changed since: the backward, which calls it again, would not be that forward's")
 
@@ -1808,9 +1808,17 @@ def _first_reads(mod, q, score=True):
         out = _call_mod(mod, s, *[slice(0, 1)] * 2, 1, 1, q.device, _Reads(name, [s] * score, found=found))
     if score and out.requires_grad and torch.compiler.is_compiling() and torch.is_grad_enabled():
         raise ValueError("under torch.compile, score_mod may read no tensor that requires grad (_pullback)")
-    if out.requires_grad and not torch.compiler.is_compiling() and not any(t.requires_grad for t, _ in
-                                                                           found.values()):
-        raise ValueError(f"{name} reads a tensor that requires grad where no torch function call shows it")
+    stops = {id(t.grad_fn or t) for t, _ in found.values() if t.requires_grad}  # what it was seen to read
+    todo, walked = [out.grad_fn] if out.requires_grad and not torch.compiler.is_compiling() else [], set()
+    while todo:  # its score's graph, down to those: any other leaf it reached, it read unseen
+        node = todo.pop()
+        if node is None or id(node) in walked or id(node) in stops:
+            continue
+        walked.add(id(node))
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad's
+        if leaf is not None and id(leaf) not in stops:
+            raise ValueError(f"{name} reads a tensor that requires grad where no torch function call shows it")
+        todo += [f for f, _ in node.next_functions]
     return found
 
 

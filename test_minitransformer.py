@@ -2213,13 +2213,24 @@ def test_flex_refuses_what_its_backward_cannot_recompute():
     torch.testing.assert_close(torch.autograd.grad(out.sum(), q)[0], torch.autograd.grad(ref.sum(), q)[0],
                                atol=1e-10, rtol=0)
     assert mask_mod is not block_mask.mask_mod
+    with torch.inference_mode():  # no version to check: the backward reads its values at the forward
+        frozen = torch.randn(2 * L - 1, dtype=torch.float64)
+    before = frozen.clone()
+    out = mt.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + frozen[qi - ki + L - 1])
+    with torch.inference_mode():
+        frozen.add_(1)
+    ref = dense_flex(q, k, v, lambda s: s + before[i - j + L - 1])
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), q)[0], torch.autograd.grad(ref.sum(), q)[0],
+                               atol=1e-10, rtol=0)
     table_module = torch.jit.script(LearnedBias(2, L))
     with pytest.raises(ValueError, match="score_mod: a TorchScript function, whose reads cannot be seen"):
         mt.flex_attention(q, k, v, table_module)
 
-    def unwatched(s, b, h, qi, ki):
+    def unwatched(s, b, h, qi, ki):  # table read where the watch sees it, another where it cannot
+        seen = s + table[qi - ki + L - 1]
         with torch._C.DisableTorchFunction():
-            return s + table[qi - ki + L - 1]
+            return seen + hidden[qi - ki + L - 1]
+    hidden = table.detach().clone().requires_grad_()
     with pytest.raises(ValueError, match="score_mod reads a tensor that requires grad where no torch function"):
         mt.flex_attention(q, k, v, unwatched)
     scaled = Scaled(torch.randn(2 * L - 1, dtype=torch.float64, requires_grad=True), 2.0)
