@@ -1764,7 +1764,7 @@ class _Reads(TorchFunctionMode):
         super().__init__()
         frozen = {key: was for key, (_, was) in (seen or {}).items() if isinstance(was, torch.Tensor)}
         self.name, self.found, self.seen, self.subs = name, found, seen, {**(subs or {}), **frozen}
-        self.made, self.uses = {id(t): t for t in (*inputs, *self.subs.values())}, collections.Counter()
+        self.made = {id(t): t for t in (*inputs, *self.subs.values())}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _SHAPES:  # vmap's many questions, which read no values
@@ -1791,7 +1791,6 @@ class _Reads(TorchFunctionMode):
                              "gradient, detach it")
         if self.found is not None:  # an inference tensor has no version: its values then, read in its place
             self.found[id(t)] = t, t.clone() if t.is_inference() else t._version
-            self.uses[id(t)] += 1
         elif self.seen is not None:  # the backward's call
             was, version = self.seen.get(id(t), (None, -1))
             if was is not t or version != t._version:
@@ -1805,23 +1804,19 @@ def _first_reads(mod, q, score=True):
     if isinstance(mod, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):  # as torch's flex_attention
         raise ValueError(f"{name}: a TorchScript function, whose reads cannot be seen: pass it as Python")
     s = q.new_zeros(1, 1, 1, 1, dtype=torch.promote_types(q.dtype, torch.float32)) if score else None
-    reads = _Reads(name, [s] * score, found=found)
     with torch.enable_grad():
-        out = _call_mod(mod, s, *[slice(0, 1)] * 2, 1, 1, q.device, reads)
-    if torch.compiler.is_compiling():  # unwatched: no tensor it reads may require grad
-        if score and out.requires_grad and torch.is_grad_enabled():
-            raise ValueError("under torch.compile, score_mod may read no tensor that requires grad (_pullback)")
-        return found
-    stops = {id(t.grad_fn or t): key for key, (t, _) in found.items() if t.requires_grad}  # the seen reads' nodes
-    todo, walked, edges = [out.grad_fn] if out.requires_grad else [], set(), []
-    while todo:  # its score's graph down to those: a leaf past them, or more edges into one than reads, unseen
+        out = _call_mod(mod, s, *[slice(0, 1)] * 2, 1, 1, q.device, _Reads(name, [s] * score, found=found))
+    if score and out.requires_grad and torch.compiler.is_compiling() and torch.is_grad_enabled():
+        raise ValueError("under torch.compile, score_mod may read no tensor that requires grad (_pullback)")
+    stops = {id(t.grad_fn or t) for t, _ in found.values() if t.requires_grad}  # what it was seen to read
+    todo, walked = [out.grad_fn] if out.requires_grad and not torch.compiler.is_compiling() else [], set()
+    while todo:  # its score's graph, down to those: any other leaf it reached, it read unseen
         node = todo.pop()
         if node is None or id(node) in walked or id(node) in stops:
             continue
         walked.add(id(node))
-        edges += [stops.get(id(getattr(f, "variable", f))) for f, _ in node.next_functions]  # AccumulateGrad's
-        hidden = getattr(node, "variable", None) is not None and id(node.variable) not in stops
-        if hidden or any(edges.count(key) > reads.uses[key] for key in stops.values()):
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad's
+        if leaf is not None and id(leaf) not in stops:
             raise ValueError(f"{name} reads a tensor that requires grad where no torch function call shows it")
         todo += [f for f, _ in node.next_functions]
     return found
