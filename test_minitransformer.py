@@ -2063,7 +2063,8 @@ MODULE_TABLE = torch.randn(2 * 90 - 1, dtype=torch.float64, requires_grad=True) 
 
 def captured_cases(L, H):
     """(score_mod, the learned tensors it reads, the same written densely): a closure's tensor, a module-level one,
-    one computed from a parameter before the call, a module's parameter through a bound method, learned slopes."""
+    one computed from a parameter before the call, a module's parameter through a bound method, learned slopes,
+    a parameter through a composite function inside the mod."""
     i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
     closure = torch.randn(2 * L - 1, dtype=torch.float64, requires_grad=True)
     param = torch.nn.Parameter(torch.randn(2 * L - 1, dtype=torch.float64))
@@ -2080,6 +2081,9 @@ def captured_cases(L, H):
         "a module's parameter": (module.mod, [module.table], lambda s: s + module.table[:, i - j + L - 1]),
         "learned ALiBi slopes": (lambda s, b, h, q, kv: s - slopes[h] * (q - kv).abs(), [slopes],
                                  lambda s: s - slopes[:, None, None] * (i - j).abs()),
+        "a parameter through a composite function": (  # F.normalize: one call seen, several uses inside
+            lambda s, b, h, q, kv: s + F.normalize(param, dim=0)[q - kv + L - 1], [param],
+            lambda s: s + F.normalize(param, dim=0)[i - j + L - 1]),
     }
 
 
