@@ -1578,13 +1578,13 @@ class BlockOptions:
     alibi_slopes: Optional[torch.Tensor] = None  # (B or 1, H, 1, 1), in the scores' base
     dlse: Optional[torch.Tensor] = None  # the backward's: the gradient of return_lse's lse, (B, H, Lq, 1)
     base: float = LOG2E  # scores in base 2 as they are made; with mods in nats until the mods have run
-    score_mod: Optional[Callable] = None  # flex_attention's, what its first call read (_Reads), and of that
-    reads: Optional[dict] = None  # the tensors that require grad (captured); the backward's stand-ins of
-    captured: tuple = ()  # those (subs: {id(captured tensor): stand-in}, _pullback)
-    subs: Optional[dict] = None
-    mask_mod: Optional[Callable] = None  # a BlockMask's, what _block_plan reads from it, what mask_mod read
-    plan: Optional[dict] = None
-    mask_reads: Optional[dict] = None
+    score_mod: Optional[Callable] = None  # flex_attention's
+    reads: Optional[dict] = None  # the tensors its first call read, {id: (tensor, version)} (_first_reads)
+    captured: tuple = ()  # those of them that require grad: inputs of _ModdedAttention
+    subs: Optional[dict] = None  # the backward's: {id(captured tensor): its stand-in} (_pullback)
+    mask_mod: Optional[Callable] = None  # a BlockMask's, as the forward found it
+    plan: Optional[dict] = None  # the BlockMask's blocks (_block_plan)
+    mask_reads: Optional[dict] = None  # the tensors mask_mod's first call read
 
 
 def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens=None,
