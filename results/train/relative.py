@@ -1,6 +1,6 @@
 """A learned relative bias through FlexAttention's score_mod, trained on a CPU: the script that produced relative.md.
 
-    python results/train/relative.py      # from the repository root; about 6 min on 2 CPU cores
+    python results/train/relative.py      # from the repository root; about 2.5 min on 2 CPU cores
 
 extrapolation.py's experiment (the default model: 2 layers, d_model 64, 2 heads, 1500 steps, seed 0; trained on
 4-32 tokens, tested on held-out bands up to 64; the reversal and the causal shift by 2) with its positions given
