@@ -2033,8 +2033,11 @@ def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_
                           device=q.device)
         is_causal = False
     float_mask = mask is not None and mask.is_floating_point()
-    if float_mask and mask.dtype not in (q.dtype, torch.float32):  # a dtype SDPA takes, the wider kept
-        mask = _finite_bias(mask, q.dtype if q.dtype.itemsize >= 4 else torch.float32)
+    # a float mask in q's dtype, or float32 beside 16 bits (what the CPU kernel adds in): a float32 mask beside
+    # float64 q is misread where the CPU's vectors are 256 bits wide (AVX2): keys 4-7 of every 8 unscaled, unmasked
+    sdpa_dtype = q.dtype if q.dtype.itemsize >= 4 else torch.float32
+    if float_mask and mask.dtype != sdpa_dtype:
+        mask = _finite_bias(mask, sdpa_dtype)
     compiling = torch.compiler.is_compiling()
 
     def ask(q, k, v, m):  # the kernel SDPA runs on these (under compile its Python int would break the graph)

@@ -577,6 +577,53 @@ def test_float_masks_of_every_dtype_in_every_path(impl, q_dtype):
             assert (got.double() - want).abs().max().item() <= max(tol, 2 * torch.finfo(mask_dtype).eps), mask_dtype
 
 
+@pytest.mark.parametrize("q_dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_flash_hands_sdpa_only_masks_it_reads_right(q_dtype, monkeypatch):
+    # SDPA's CPU kernel misreads a float32 mask beside float64 q where its vectors are 256 bits wide (AVX2, or
+    # ATen's default capability): keys 4-7 of every 8 keep the raw scores. On any CPU: every pair of dtypes at
+    # the shapes of that failure and more (2-D and 4-D masks, -inf entries or none) against the float64
+    # reference, through flash_attention, attention() and MultiHeadAttention; then, with SDPA replaced by one
+    # that misreads that pair, flash is still right: it never hands SDPA such a mask
+    for (Lq, Lk), four_d, infs in itertools.product([(12, 10), (64, 64), (100, 90), (7, 7), (1, 33), (33, 17)],
+                                                    (False, True), (False, True)):
+        q, k, v = make_qkv(2, 2, Lq, Lk, 16, seed=Lq + Lk)
+        bias = torch.randn(2, 2, Lq, Lk, generator=torch.Generator().manual_seed(Lk))[:2 if four_d else 1]
+        bias = bias if four_d else bias[0, 0]
+        if infs:
+            bias[..., ::3, 1::2] = -math.inf
+        low = [t.to(q_dtype) for t in (q, k, v)]
+        for mask_dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+            m = bias.to(mask_dtype)
+            want = reference(q, k, v, bias=m.double())  # the mask as its dtype rounds it
+            tol = {torch.float64: 1e-10, torch.float32: 1e-5}.get(q_dtype)
+            if tol is None:  # FlashAttention's rule against attention in bfloat16 with the bias in float32
+                tol = 2 * (attention_ref(*low, m.float()).double() - want).abs().max().item() + 1e-5
+            for got in (mt.flash_attention(*low, attn_mask=m, on_math="allow"), run_path("flash", *low, attn_mask=m)):
+                err = (got.double() - want).abs().max().item()
+                assert err <= tol, ((Lq, Lk), four_d, infs, mask_dtype, err)
+    mha = mt.MultiHeadAttention(64, 2).to(q_dtype)
+    x = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(5))
+    bias = torch.randn(40, 40, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        got = mha(x.to(q_dtype), attn_mask=bias)
+        want = mha.to(torch.float64)(x.double(), attn_mask=bias.double())
+    assert (got.double() - want).abs().max().item() <= {torch.float64: 1e-10, torch.float32: 1e-5}.get(q_dtype, 2e-2)
+
+    sdpa = F.scaled_dot_product_attention
+
+    def misreading(q, k, v, attn_mask=None, *args, **kw):  # keys 4-7 of every 8 unmasked, where the kernel errs
+        if attn_mask is not None and (q.dtype, attn_mask.dtype) == (torch.float64, torch.float32):
+            j = torch.arange(attn_mask.size(-1))
+            attn_mask = attn_mask.masked_fill((j % 8 >= 4) & (j < attn_mask.size(-1) // 8 * 8), 0.0)
+        return sdpa(q, k, v, attn_mask, *args, **kw)
+    monkeypatch.setattr(mt.F, "scaled_dot_product_attention", misreading)
+    q, k, v = (t.to(q_dtype) for t in make_qkv(2, 2, 64, 64, 16))
+    bias = torch.randn(64, 64, generator=torch.Generator().manual_seed(7))
+    want = reference(q, k, v, bias=bias.double())
+    got = mt.flash_attention(q, k, v, attn_mask=bias, on_math="allow")
+    assert (got.double() - want).abs().max().item() <= {torch.float64: 1e-10, torch.float32: 1e-5}.get(q_dtype, 3e-2)
+
+
 def test_a_finite_bias_stays_finite_in_a_narrower_dtype():
     bias = torch.tensor([0.0, -1e3, torch.finfo(torch.float32).min, -math.inf, 1e6])
     for dtype in (torch.float16, torch.bfloat16):
