@@ -101,8 +101,8 @@ def computed_pairs(point):
         cq, ck = (128, 128) if p["path"] == "torch-flex-compiled" else chunk_sizes(p)
         docs = packed_offsets(n, p["docs"])
         if p["path"] == "chunked":  # the key blocks it visits, cut to the documents
-            blocks = ((rows, cols) for rows in mt._blocks(n, cq)
-                      for cols in mt._key_blocks(rows, n, ck, p["causal"], p["window"], docs))
+            visibility = mt.Visibility(mt.named_rules(p["causal"], p["window"], torch.tensor(docs), L=n))
+            blocks = ((rows, cols) for rows in mt._blocks(n, cq) for cols in visibility.key_blocks(rows, n, ck))
         else:  # the BlockMask's grid: whole blocks, where some query sees some key
             blocks = ((rows, cols) for rows in mt._blocks(n, cq) for cols in mt._blocks(n, ck)
                       if any(_meet(rows, cols, a, b, p["causal"]) for a, b in zip(docs, docs[1:])))

@@ -63,17 +63,15 @@ import re
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
+import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 from torch.nn.attention.bias import CausalBias, CausalVariant
 from torch.nn.attention.flex_attention import AuxOutput, BlockMask
-from torch._C._functorch import is_batchedtensor
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
 
 # core begins
 # Attention in its plainest correct form, forward and backward. Conventions are those of PyTorch's
@@ -388,8 +386,8 @@ class KVCache:
         self.v.index_copy_(2, slots, v)
         self.pos.index_copy_(1, slots, positions.masked_fill(~real, L))  # padding: after every query
         self.length.add_(T)
-        mask = mask_block(over_slots, slice(0, T), slice(0, L), is_causal=True,
-                          positions=(positions, self.pos), window_size=window_size, alibi_slopes=alibi_slopes)
+        rules = named_rules(is_causal=True, window_size=window_size, alibi_slopes=alibi_slopes)
+        mask = Visibility(rules, positions=(positions, self.pos), attn_mask=over_slots).dense(T, L, k.device)
         return self.k, self.v, mask
 
     def _read(self, attn_mask, T):
@@ -1174,9 +1172,11 @@ def parse_args(argv=None):
 # - torch.compile(fullgraph=True), and no host-device sync: off the CPU no device tensor is read on the host
 #   (a CPU has none to wait for: there the checks read values to name them, flash looks for far rows).
 
-# Masks: which keys a query sees, and ALiBi's bias. One visibility rule (causality, window, documents,
-# attn_mask, ALiBi) serves every path: naive and flash ask mask_block for the whole score matrix, chunked
-# for one block at a time, visiting only the key blocks that the rule leaves visible (_key_blocks).
+# Variants as rules: which keys a query sees, and what is added to its scores. Each named variant is one small
+# rule over the positions of queries and keys, with the keys a block of queries may see written beside it for
+# skipping; Visibility composes a call's rules with its attn_mask and a user's FlexAttention mods, and every path
+# asks it: naive and flash for the whole (Lq, Lk) mask, chunked for one block at a time, KVCache.update for its
+# slots. The paths never learn a variant's name.
 
 
 def padding_mask(lengths, max_len, device=None):
@@ -1208,81 +1208,166 @@ def documents(cu_seqlens, L, device=None):
     return both.to(device, non_blocking=True).unbind()
 
 
-def mask_block(attn_mask, rows, cols, *, is_causal=False, shift=0, positions=None, window_size=None,
-               doc_ids=None, offsets=None, alibi_slopes=None, scores=None, device=None):
-    """The mask of scores[..., rows, cols] (rows, cols: slices of the queries and of the keys), query i
-    sitting at key position i + shift for causality, the window and ALiBi: shift 0 is top-left, Lk - Lq
-    bottom-right (with key padding: attn_mask=mask_block(keep, slice(0, Lq), slice(0, Lk), is_causal=True,
-    shift=Lk - Lq)); or, given positions = (queries' (B, Lq), keys' (B, Lk)), every row's own (a KVCache's).
-
-    Returns a bool mask (True = keep), a float mask (added to the scores), or None (keep every key),
-    broadcastable to (B, H, rows, cols). Causality, the window and documents are built from positions, and
-    only for a block that straddles the diagonal, the window's edge or a document boundary. doc_ids: the (L,)
-    document of every position (documents()); offsets: cu_seqlens as a list, where the host knows it, to tell
-    the blocks inside one document, which need no document mask. alibi_slopes (B or 1, H, 1, 1): ALiBi's bias,
-    -slope * |i - j| in the slopes' dtype (the same within a document), joins the mask; or, given the block's
-    scores (B, H, rows, cols), S_ij -= slope * |i - j| in place, with no block of its own."""
-    q0, q1, k0, k1 = rows.start, rows.stop, cols.start, cols.stop
-    p0, p1, anywhere = q0 + shift, q1 + shift, positions is not None  # the queries' positions
-    causal = is_causal and (anywhere or k1 - 1 > p0)  # some key lies after some query
-    local = window_size is not None and (anywhere or k1 - 1 - p0 > window_size or p1 - 1 - k0 > window_size)
-    # a boundary b cuts the block where min(q0, k0) < b < max(q1, k1): bisect_right counts the offsets at
-    # or before min(q0, k0), bisect_left those before max(q1, k1); where they differ, b lies between
-    cut = doc_ids is not None and (offsets is None or bisect.bisect_right(offsets, min(q0, k0))
-                                < bisect.bisect_left(offsets, max(q1, k1)))
-    keep = doc_ids[rows, None] == doc_ids[None, cols] if cut else None  # (rows, cols): the same document
-    if causal or local or alibi_slopes is not None:  # positions, in floats for ALiBi's distance
-        dtype = None if alibi_slopes is None else alibi_slopes.dtype
-        if anywhere:  # each row's own: (B, 1, rows, 1) and (B, 1, 1, cols)
-            i, j = positions[0][:, None, rows, None].to(dtype), positions[1][:, None, None, cols].to(dtype)
-        else:
-            i = torch.arange(q0, q1, device=device, dtype=dtype)[:, None] + shift  # (rows, 1)
-            j = torch.arange(k0, k1, device=device, dtype=dtype)[None, :]  # (1, cols)
-    if causal:
-        keep = j <= i if keep is None else keep & (j <= i)
-    if local:  # compared, never subtracted: i - j would be an int64 (rows, cols) temporary
-        near = (j >= i - window_size) & (j <= i + window_size)
-        keep = near if keep is None else keep & near
-    if alibi_slopes is not None:  # the bias, with what keep and the attn_mask hide at -inf
-        distance = (j - i).abs_()  # (rows, cols), or (B, 1, rows, cols)
-        if scores is not None:
-            scores.addcmul_(alibi_slopes, distance, value=-1)  # S -= slope * |i - j|: no product block made
-        else:
-            bias = alibi_slopes * distance.neg_()  # (B or 1, H, rows, cols)
-            keep = bias if keep is None else bias.masked_fill_(~keep, float("-inf"))
-    if attn_mask is None:
-        return keep
-    m = attn_mask  # sliced only where it does not broadcast and the block is not all of it
-    if m.size(-2) not in (1, q1 - q0):
-        m = m[..., rows, :]
-    if m.size(-1) not in (1, k1 - k0):
-        m = m[..., cols]
-    if keep is None:
-        return m
-    if keep.is_floating_point():  # ALiBi's bias
-        return keep.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else keep + m  # may broadcast
-    return m & keep if m.dtype == torch.bool else m.masked_fill(~keep, float("-inf"))
+class Rule(NamedTuple):
+    """One variant, over the positions i (.., rows, 1) of queries and j (.., 1, cols) of keys: mask(i, j), True
+    where query i sees key j; score(s, i, j), the scores s with its bias added; keys(i0, i1), the keys [lo, hi)
+    that queries i0 .. i1-1 may see, for skipping the others (None: all of them). Both ends of keys move right as
+    the queries do, so a block's first and last query tell whether every query sees all of its keys."""
+    mask: Optional[Callable] = None
+    score: Optional[Callable] = None
+    keys: Optional[Callable] = None
 
 
-def _key_blocks(rows, Lk, ck, is_causal, window_size, offsets=None, shift=0, plan=None):
-    """Slices of the key blocks of size ck that queries `rows` (at key positions i + shift) can see: blocks
-    that causality, the window or documents (offsets: cu_seqlens as a list) hide are never computed, and the
-    visited range is cut to the visible keys; plan: a BlockMask's, the blocks some (b, h) sees."""
-    lo, hi = 0, Lk
-    if is_causal:
-        hi = min(hi, rows.stop + shift)  # keys j <= i + shift < rows.stop + shift
+def causal():
+    """Query i sees the keys j <= i."""
+    return Rule(mask=lambda i, j: j <= i, keys=lambda i0, i1: (0, i1))
+
+
+def sliding_window(w):
+    """Query i sees the keys j with |i - j| <= w: compared, never subtracted (no (rows, cols) int64 temporary)."""
+    return Rule(mask=lambda i, j: (j >= i - w) & (j <= i + w), keys=lambda i0, i1: (i0 - w, i1 + w))
+
+
+def same_document(cu_seqlens, doc_ids):
+    """Packed documents: query i sees the keys of its own document. doc_ids: the (L,) document of every position
+    (documents()); the keys' range comes from cu_seqlens, read on the host (a CPU tensor: no sync), except under
+    torch.compile, which would break its graph there."""
+    if torch.compiler.is_compiling():
+        return Rule(mask=lambda i, j: doc_ids[i] == doc_ids[j])
+    offsets = cu_seqlens.tolist()
+
+    def keys(i0, i1):  # from the start of query i0's document to the end of query i1 - 1's
+        return offsets[bisect.bisect_right(offsets, i0) - 1], offsets[bisect.bisect_left(offsets, i1)]
+    return Rule(mask=lambda i, j: doc_ids[i] == doc_ids[j], keys=keys)
+
+
+def alibi(slopes):
+    """ALiBi's bias, S_ij -= m_h |i - j|, slopes m (B or 1, H, 1, 1) in the scores' dtype (and base)."""
+    def score(s, i, j):  # in place on a block's scores; a new tensor from a 0-d s (Visibility.dense)
+        distance = (j.to(s.dtype) - i.to(s.dtype)).abs_()  # (.., rows, cols)
+        return torch.addcmul(s, slopes, distance, value=-1, out=s if s.dim() else None)
+    return Rule(score=score)
+
+
+def named_rules(is_causal=False, window_size=None, cu_seqlens=None, alibi_slopes=None, L=None, device=None):
+    """The rules of the named arguments every path takes (the appendix's header); L and device: the packed row's."""
+    rules = [causal()] if is_causal else []
     if window_size is not None:
-        lo, hi = max(lo, rows.start + shift - window_size), min(hi, rows.stop + shift + window_size)
-    if offsets is not None:  # from the start of the first query's document to the end of the last query's:
-        lo = max(lo, offsets[bisect.bisect_right(offsets, rows.start) - 1])  # the last offset <= rows.start
-        hi = min(hi, offsets[bisect.bisect_left(offsets, rows.stop)])  # the first offset >= rows.stop
-    if plan is not None:  # its own blocks, whole, where they meet that range
-        return [slice(k0, min(k0 + ck, Lk)) for k0 in plan.get(rows.start, ()) if lo < k0 + ck and k0 < hi]
-    return [slice(k0, min(k0 + ck, hi)) for k0 in range(lo, hi, ck)]
+        rules.append(sliding_window(window_size))
+    if cu_seqlens is not None:
+        rules.append(same_document(cu_seqlens, documents(cu_seqlens, L, device)[0]))
+    if alibi_slopes is not None:
+        rules.append(alibi(alibi_slopes))
+    return rules
+
+
+@dataclass
+class Visibility:
+    """A call's variants composed, asked about blocks of queries `rows` and keys `cols` (slices): its rules, its
+    attn_mask (bool, or a float bias; the one variant given as data, read by slicing) and a user's mods (_Mods,
+    flex_attention). Query row r sits at position r + shift (0: top-left, Lk - Lq: bottom-right) and key c at c;
+    or, given positions = (queries' (B, Lq), keys' (B, Lk)), every row at its own (a KVCache's)."""
+    rules: list
+    shift: int = 0
+    positions: Optional[tuple] = None
+    attn_mask: Optional[torch.Tensor] = None
+    mods: Optional["_Mods"] = None
+    base: float = 1.0  # the scores' base in scores(): log2(e) on the chunked path's named rules, else 1
+
+    def key_blocks(self, rows, Lk, ck):
+        """The key blocks, slices of at most ck keys, that queries `rows` may see: blocks that every query's rules
+        hide are never computed, and the range is cut to the keys seen; a BlockMask's own blocks where they meet it."""
+        lo, hi = 0, Lk
+        for rule in self.rules:
+            if rule.keys is not None and self.positions is None:
+                first, end = rule.keys(rows.start + self.shift, rows.stop + self.shift)
+                lo, hi = max(lo, first), min(hi, end)
+        plan = None if self.mods is None else self.mods.plan
+        if plan is not None:
+            return [slice(k0, min(k0 + ck, Lk)) for k0 in plan.get(rows.start, ()) if lo < k0 + ck and k0 < hi]
+        return [slice(k0, min(k0 + ck, hi)) for k0 in range(lo, hi, ck)]
+
+    def keep(self, rows, cols, device):
+        """The block's bool mask (.., rows, cols), True where a key is seen, or None where all are: the masks of the
+        rules that hide some of its keys, and a bool attn_mask."""
+        keep, ij = None, None
+        for rule in self.rules:
+            if rule.mask is not None and not self._sees_all(rule, rows, cols):
+                ij = ij or self._positions(rows, cols, device)
+                keep = rule.mask(*ij) if keep is None else keep & rule.mask(*ij)
+        m = self._attn_mask(rows, cols)
+        if m is not None and m.dtype == torch.bool:
+            keep = m if keep is None else keep & m
+        return keep
+
+    def scores(self, s, rows, cols, backward=False):
+        """A chunked block's scores s (B, H, rows, cols) with every bias added, the user's score_mod applied, and
+        -inf where a key is hidden, in place, in base 2 (from self.base); backward: also the pullback through
+        score_mod (None without one)."""
+        ij, m = None, self._attn_mask(rows, cols)
+        for rule in self.rules:
+            if rule.score is not None:
+                ij = ij or self._positions(rows, cols, s.device)
+                s = rule.score(s, *ij)
+        keep = self.keep(rows, cols, s.device)
+        if m is not None and m.is_floating_point():  # clamped finite (in base 2), but -inf
+            bias = _finite_bias(m, s.dtype, self.base)
+            if self.mods is None:
+                s = s.add_(bias)
+            else:  # FlexAttention's order: the bias, score_mod, then -inf where a key is hidden
+                seen = ~torch.isneginf(bias)
+                s, keep = s.add_(bias.masked_fill(~seen, 0.0)), seen if keep is None else keep & seen
+        if self.mods is not None:
+            return self.mods.scores(s, rows, cols, keep, backward)
+        s = s if keep is None else s.masked_fill_(~keep, -math.inf)
+        return (s, None) if backward else s
+
+    def dense(self, Lq, Lk, device):
+        """The whole (Lq, Lk) mask, for naive, flash and a KVCache: None (every key seen), bool (True where seen),
+        or a float bias with -inf where hidden; broadcastable to (B, H, Lq, Lk)."""
+        rows, cols = slice(0, Lq), slice(0, Lk)
+        keep, bias = self.keep(rows, cols, device), None  # bias: a new tensor, the rules' biases
+        for rule in self.rules:
+            if rule.score is not None:
+                s = torch.zeros((), device=device) if bias is None else bias
+                bias = rule.score(s, *self._positions(rows, cols, device))
+        m = self._attn_mask(rows, cols)
+        if m is not None and m.is_floating_point():
+            if bias is None:  # the user's own mask: never written in place
+                return m if keep is None else m.masked_fill(~keep, -math.inf)
+            bias = bias + m
+        if bias is None or keep is None:
+            return keep if bias is None else bias
+        if torch.broadcast_shapes(bias.shape, keep.shape) == bias.shape:
+            return bias.masked_fill_(~keep, -math.inf)
+        return bias.masked_fill(~keep, -math.inf)  # a larger tensor: the mask's batch, say
+
+    def _positions(self, rows, cols, device):
+        """(i, j): the positions of the queries `rows`, (rows, 1) or (B, 1, rows, 1), and of the keys `cols`."""
+        if self.positions is not None:  # each row's own: (B, 1, rows, 1) and (B, 1, 1, cols)
+            return self.positions[0][:, None, rows, None], self.positions[1][:, None, None, cols]
+        i = torch.arange(rows.start + self.shift, rows.stop + self.shift, device=device)[:, None]
+        return i, torch.arange(cols.start, cols.stop, device=device)[None, :]
+
+    def _sees_all(self, rule, rows, cols):
+        """Whether every query of `rows` sees every key of `cols` by this rule (no mask needed there)."""
+        if rule.keys is None or self.positions is not None:
+            return False
+        first, last = rows.start + self.shift, rows.stop - 1 + self.shift
+        return rule.keys(last, last + 1)[0] <= cols.start and cols.stop <= rule.keys(first, first + 1)[1]
+
+    def _attn_mask(self, rows, cols):
+        """The attn_mask's block: sliced only where it does not broadcast and the block is not all of it."""
+        m = self.attn_mask
+        if m is not None and m.size(-2) not in (1, rows.stop - rows.start):
+            m = m[..., rows, :]
+        if m is not None and m.size(-1) not in (1, cols.stop - cols.start):
+            m = m[..., cols]
+        return m
 
 
 def _apply_mask(scores, mask):
-    """scores with a mask_block mask applied: -inf where a bool mask is False (never -1e9: it
+    """scores with a Visibility.dense mask applied: -inf where a bool mask is False (never -1e9: it
     overflows float16), the bias of a float mask added in float32 or wider (a finfo.min bias
     plus a negative score would overflow float16 to -inf); in place where the dtype allows."""
     if mask is None:
@@ -1328,11 +1413,8 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     Causality top-left, or bottom-right with causal_lower_right; enable_gqa repeats K, V per query head."""
     q, k, v, attn_mask, is_causal, shift, scale = _attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
-    Lq, Lk = q.size(-2), k.size(-2)
-    doc_ids = None if cu_seqlens is None else documents(cu_seqlens, Lq, q.device)[0]
-    mask = mask_block(attn_mask, slice(0, Lq), slice(0, Lk), is_causal=is_causal, shift=shift,
-                      window_size=window_size, doc_ids=doc_ids, alibi_slopes=_check_alibi(alibi_slopes, q),
-                      device=q.device)
+    rules = named_rules(is_causal, window_size, cu_seqlens, _check_alibi(alibi_slopes, q), q.size(-2), q.device)
+    mask = Visibility(rules, shift, attn_mask=attn_mask).dense(q.size(-2), k.size(-2), q.device)
     if k.size(1) != q.size(1):  # grouped-query attention, written out: query head h reads K/V head h // G
         k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
     dead = None
@@ -1376,8 +1458,7 @@ def attend_block(q, k, v, rows, o, m, l, opts):
     float32 (float64 for float64), are updated in place; opts: block_options. k, v may have fewer heads (GQA).
     """
     q_i = _per_kv_head(q[:, :, rows], k)  # (B, H_kv, G * cq, D)
-    for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size, opts.offsets,
-                            opts.shift, opts.plan):
+    for cols in opts.vis.key_blocks(rows, k.size(-2), opts.ck):
         s = _scores(q_i, k, rows, cols, opts)  # (B, H, cq, ck)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         # a row masked so far has m_new = -inf, and exp2(-inf - (-inf)) = NaN: the lowest
@@ -1434,8 +1515,7 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
     if opts.dlse is not None:  # lse's gradient too: dS = P * (dP - Delta + dlse)
         delta = delta - opts.dlse[:, :, rows]
     q_i, dout_i = _per_kv_head(q[:, :, rows], k), _per_kv_head(dout_i, k)  # (B, H_kv, G * cq, D or Dv)
-    for cols in _key_blocks(rows, k.size(-2), opts.ck, opts.is_causal, opts.window_size, opts.offsets,
-                            opts.shift, opts.plan):
+    for cols in opts.vis.key_blocks(rows, k.size(-2), opts.ck):
         s, pullback = _scores(q_i, k, rows, cols, opts, backward=True)
         p = s.sub_(m).sub_(log2_l).exp2_()  # P_j (B, H, cq, ck)
         dp = _matmul(dout_i, v[:, :, cols].transpose(-2, -1)).view(p.shape)  # (B, H, cq, ck)
@@ -1446,7 +1526,7 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
             _drop(dp, keep).mul_(1.0 / (1.0 - opts.dropout_p))
         dv[:, :, cols] += _matmul(_per_kv_head(p_dropped.to(q.dtype), k).transpose(-2, -1), dout_i)  # over G
         ds = p.mul_(dp.sub_(delta))  # dS_j
-        if pullback is not None:  # back through score_mod; the tensors it reads get theirs (_pullback)
+        if pullback is not None:  # back through score_mod; the tensors it reads get theirs (_Mods._pullback)
             ds = pullback(ds)
         ds_low = _per_kv_head(ds.to(q.dtype), k)  # rounded to the inputs' dtype for the products, as P is
         dq[:, :, rows] += _matmul(ds_low, k[:, :, cols]).view(p.shape[:-1] + (-1,))
@@ -1494,14 +1574,17 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     alibi_slopes = _check_alibi(alibi_slopes, q)
     if score_mod is not None or block_mask is not None:  # Python functions: no custom operator takes them
         cq, ck = (cq, ck) if block_mask is None else _check_block_mask(block_mask, q, k)
-        opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens,
-                             alibi_slopes, shift, base=1.0)
-        opts.score_mod, opts.reads = score_mod, {} if score_mod is None else _first_reads(score_mod, q)
-        opts.captured = tuple(t for t, _ in opts.reads.values() if t.requires_grad)
+        shape, mods = (*q.shape[:-1], k.size(-2)), _Mods(None, None, None)
+        if score_mod is not None:
+            mods.score = _Mod(score_mod, "score_mod", shape, q.device, q.dtype)
+            mods.score_inputs = mods.score.inputs
         if block_mask is not None:
-            opts.mask_mod, opts.plan = block_mask.mask_mod, _block_plan(block_mask, k.size(-2))
-            opts.mask_reads = _first_reads(opts.mask_mod, q, score=False)
-        out, m, log2_l = _ModdedAttention.apply(q, k, v, attn_mask, opts, cq, *opts.captured)
+            mods.mask = _Mod(block_mask.mask_mod, "mask_mod", shape, q.device, q.dtype)
+            mods.plan = _block_plan(block_mask, k.size(-2))
+        opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens,
+                             alibi_slopes, shift, base=1.0, mods=mods)
+        inputs = mods.score_inputs + (() if mods.mask is None else mods.mask.inputs)
+        out, m, log2_l = _ModdedAttention.apply(q, k, v, attn_mask, opts, cq, *inputs)
     else:
         out, m, log2_l = _chunked_fwd(q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p,
                                       is_causal, scale, window_size, cq, ck, shift)  # m, log2(l): backward's
@@ -1544,8 +1627,9 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     for the full ones. B, H None: blocks from b = h = 0, as torch builds them; _compile changes nothing."""
     B, H, (cq, ck) = B or 1, H or 1, (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else BLOCK_SIZE
     nk, counts = -(-KV_LEN // ck), []  # ceil(KV_LEN / ck) key blocks; for each row of blocks, the keys they show
+    mod = _Mod(mask_mod, "mask_mod", (B, H, Q_LEN, KV_LEN), device, torch.float32, trace=False)
     for rows in _blocks(Q_LEN, cq):
-        seen = _call_mod(mask_mod, None, rows, slice(0, KV_LEN), B, H, device, _Reads("mask_mod"))
+        seen = mod(None, rows, slice(0, KV_LEN), B, H, device, ())
         seen = F.pad(seen, (0, nk * ck - KV_LEN))
         counts.append(seen.view(B, H, rows.stop - rows.start, nk, ck).sum((2, 4)))  # padding: keys none shows
     counts = torch.stack(counts, 2)  # (B, H, nq, nk)
@@ -1565,36 +1649,23 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
 class BlockOptions:
     """What every block update of one call shares (block_options)."""
     scale: float
-    is_causal: bool
-    window_size: Optional[int]
-    shift: int  # query i sits at key position i + shift (mask_block)
     ck: int  # key block size
-    mask: Optional[torch.Tensor]  # the attn_mask (a float one is taken to base 2 block by block: _scores)
-    dropout_p: float
-    row_hash: Optional[torch.Tensor]  # dropout: hashes of the rows (b, h, i), (B, H, Lq, 1), int32
-    col_hash: Optional[torch.Tensor]  # and of the key columns j, (Lk,)
-    doc_ids: Optional[torch.Tensor] = None  # packed rows: the document of every position, (L,) (documents())
-    offsets: Optional[list] = None  # and their cu_seqlens, read on the host (a CPU tensor: no sync)
-    alibi_slopes: Optional[torch.Tensor] = None  # (B or 1, H, 1, 1), in the scores' base
+    vis: Visibility  # every variant of the call: which keys each query sees, and the biases
+    dropout_p: float = 0.0
+    row_hash: Optional[torch.Tensor] = None  # dropout: hashes of the rows (b, h, i), (B, H, Lq, 1), int32
+    col_hash: Optional[torch.Tensor] = None  # and of the key columns j, (Lk,)
     dlse: Optional[torch.Tensor] = None  # the backward's: the gradient of return_lse's lse, (B, H, Lq, 1)
-    base: float = LOG2E  # scores in base 2 as they are made; with mods in nats until the mods have run
-    score_mod: Optional[Callable] = None  # flex_attention's
-    reads: Optional[dict] = None  # the tensors its first call read, {id: (tensor, version)} (_first_reads)
-    captured: tuple = ()  # those of them that require grad: inputs of _ModdedAttention
-    subs: Optional[dict] = None  # the backward's: {id(captured tensor): its stand-in} (_pullback)
-    mask_mod: Optional[Callable] = None  # a BlockMask's, as the forward found it
-    plan: Optional[dict] = None  # the BlockMask's blocks (_block_plan)
-    mask_reads: Optional[dict] = None  # the tensors mask_mod's first call read
+    base: float = LOG2E  # scores in base 2 as they are made; with a user's mods in nats until they have run
 
 
 def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens=None,
-                  alibi_slopes=None, shift=0, base=LOG2E):
+                  alibi_slopes=None, shift=0, base=LOG2E, mods=None):
+    """The BlockOptions of a call: its named arguments as rules (the slopes in the scores' base), composed."""
+    slopes = None if alibi_slopes is None else alibi_slopes * base
+    rules = named_rules(is_causal, window_size, cu_seqlens, slopes, q.size(-2), q.device)
+    vis = Visibility(rules, shift, attn_mask=attn_mask, mods=mods, base=base)
     hashes = _dropout_hashes(seed, *q.shape[:3], k.size(-2)) if dropout_p > 0.0 else (None, None)
-    opts = BlockOptions(scale, is_causal, window_size, shift, ck, attn_mask, dropout_p, *hashes, base=base)
-    if cu_seqlens is not None:
-        opts.doc_ids, opts.offsets = documents(cu_seqlens, q.size(-2), q.device)[0], cu_seqlens.tolist()
-    opts.alibi_slopes = None if alibi_slopes is None else alibi_slopes * base  # in the scores' base
-    return opts
+    return BlockOptions(scale, ck, vis, dropout_p, *hashes, base=base)
 
 
 def _autocast_off(op):
@@ -1682,15 +1753,15 @@ _chunked_fwd.register_autograd(_chunked_grad, setup_context=_chunked_save)
 
 
 class _ModdedAttention(torch.autograd.Function):
-    """chunked_forward and chunked_backward with the user's mods, Python functions that no custom operator can
-    take: the gradients of q, k, v, of a float attn_mask, and of the tensors score_mod reads (captured)."""
+    """chunked_forward and chunked_backward with a user's mods (opts.vis.mods), which no custom operator can
+    take: the gradients of q, k, v, of a float attn_mask, and of `inputs`, the tensors the mods read (_Mod)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, opts, cq, *captured):
+    def forward(ctx, q, k, v, attn_mask, opts, cq, *inputs):
         ctx.set_materialize_grads(False)  # a gradient of None: that output is unused
         with _no_autocast(q):
             out, m, log2_l = chunked_forward(q.contiguous(), k.contiguous(), v.contiguous(), opts, cq)
-        ctx.save_for_backward(q, k, v, out, m, log2_l, attn_mask, *captured)
+        ctx.save_for_backward(q, k, v, out, m, log2_l, attn_mask, *inputs)  # autograd refuses them changed since
         ctx.opts, ctx.cq = opts, cq
         return out, m, log2_l
 
@@ -1698,128 +1769,189 @@ class _ModdedAttention(torch.autograd.Function):
     def backward(ctx, dout, _dm, dlog2_l):
         if torch.is_grad_enabled():  # create_graph=True: this backward has no backward of its own
             raise RuntimeError("flex_attention's backward cannot be differentiated (create_graph=True)")
-        q, k, v, out, m, log2_l, mask, *captured = ctx.saved_tensors
-        standins = [t.detach().requires_grad_() for t in captured]  # for score_mod to read: _pullback
-        opts = replace(ctx.opts, dlse=None if dlog2_l is None else dlog2_l / LN2,  # lse = (m + log2(l)) ln 2
-                       subs=dict(zip(map(id, ctx.opts.captured), standins)))
+        q, k, v, out, m, log2_l, mask, *inputs = ctx.saved_tensors
+        # the score_mod's graph reads stand-ins of the tensors that need a gradient: theirs adds up over the blocks
+        wants = ctx.needs_input_grad[6:6 + len(ctx.opts.vis.mods.score_inputs)]
+        standins = [t.detach().requires_grad_() if want else t for t, want in zip(inputs, wants)]
+        mods = replace(ctx.opts.vis.mods, score_inputs=tuple(standins))
+        opts = replace(ctx.opts, vis=replace(ctx.opts.vis, mods=mods),
+                       dlse=None if dlog2_l is None else dlog2_l / LN2)  # lse = (m + log2(l)) ln 2
         dmask = torch.zeros_like(mask, dtype=m.dtype) if ctx.needs_input_grad[3] else None
         dout = torch.zeros_like(out) if dout is None else dout  # a loss of lse alone
         with _no_autocast(q):
             zeros = (torch.zeros_like(t, dtype=m.dtype) for t in (q, k, v))  # dq, dk, dv to add into
             grads = chunked_backward(dout.contiguous(), *(t.contiguous() for t in (q, k, v)), out, m, log2_l,
                                      *zeros, dmask, opts, ctx.cq)
-        return *grads, None if dmask is None else dmask.to(mask.dtype), None, None, *[t.grad for t in standins]
+        learned = [t.grad if want else None for t, want in zip(standins, wants)]
+        return (*grads, None if dmask is None else dmask.to(mask.dtype), None, None, *learned,
+                *[None] * (len(inputs) - len(wants)))
 
 
-def _call_mod(mod, s, rows, cols, B, H, device, reads=None):
-    """mod on every (b, h, q_idx, kv_idx) of a block as torch's FlexAttention runs it: on scalars, vmapped
-    over kv_idx, q_idx, h, b (so table[q_idx][kv_idx] indexes as it reads). s: the block's scores (B, H, rows,
-    cols) for a score_mod, None for a mask_mod; reads: a _Reads watching it, eagerly. Returns (B, H, rows,
-    cols): scores in s's dtype, or bool."""
-    fn, name = mod, "mask_mod" if s is None else "score_mod"
-    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)):
-        fn = torch.vmap(fn, in_dims=dims if s is None else (0, *dims))
-    with reads if reads is not None and not torch.compiler.is_compiling() else contextlib.nullcontext():
+@dataclass
+class _Mods:
+    """A user's FlexAttention mods, ready for the blocks, once a call: score_mod and a BlockMask's mask_mod (_Mod),
+    the BlockMask read on the host (_block_plan), and the tensors the score_mod's graph reads (its inputs, or in the
+    backward their stand-ins)."""
+    score: Optional["_Mod"]
+    mask: Optional["_Mod"]
+    plan: Optional[dict]
+    score_inputs: tuple = ()
+
+    def scores(self, s, rows, cols, keep, backward):
+        """Visibility.scores for a block with a user's mods: s (B, H, rows, cols) in nats, the named rules' biases
+        added, through score_mod, then -inf where keep, the BlockMask or its mask_mod hide a key, in base 2."""
+        B, H = s.shape[:2]
+        hidden = None if keep is None else ~keep
+        states, partial = (None, False) if self.plan is None else self.plan[rows.start][cols.start]
+        if states is not None:  # the BlockMask's verdict: all keys of a full block, mask_mod's in a partial one
+            seen = states == 2
+            if partial:
+                seen = seen | ((states == 1) & self.mask(None, rows, cols, B, H, s.device, self.mask.inputs))
+            hidden = ~seen if hidden is None else hidden | ~seen
+        pullback = None
+        if self.score is not None and backward:
+            s, pullback = self._pullback(s, rows, cols)
+        elif self.score is not None:
+            s = self.score(s, rows, cols, B, H, s.device, self.score_inputs)
+        # a new tensor, never in place on the mod's own result, which may be a view of its input or of a tensor it reads
+        s = s * LOG2E if hidden is None else s.masked_fill(hidden, -math.inf).mul_(LOG2E)
+        return (s, pullback) if backward else s
+
+    def _pullback(self, s, rows, cols):
+        """score_mod(s) on a block and its way back, ds -> the gradient of s, adding the gradients of the stand-ins
+        that require grad into their .grad; under torch.compile, where the mod is called as the user wrote it
+        (reading no tensor that requires grad: _Mod), torch.func.vjp."""
+        B, H = s.shape[:2]
+        mod = functools.partial(self.score, rows=rows, cols=cols, B=B, H=H, device=s.device, inputs=self.score_inputs)
+        if torch.compiler.is_compiling():
+            out, vjp = torch.func.vjp(mod, s)
+            return out, lambda ds: vjp(ds)[0]
+        with torch.enable_grad():
+            s = s.detach().requires_grad_()
+            out = mod(s.clone())  # a copy: the mod may work on its score in place
+        learned = [t for t in self.score_inputs if t.requires_grad]
+
+        def pullback(ds):
+            if out.requires_grad:  # not where the mod reads neither its score nor a tensor that requires grad
+                torch.autograd.backward(out, ds, inputs=[s, *learned])
+            return torch.zeros_like(s) if s.grad is None else s.grad
+        return out.detach(), pullback
+
+
+class _Mod:
+    """A user's mod, score_mod(score, b, h, q_idx, kv_idx) or mask_mod(b, h, q_idx, kv_idx), as the blocks call it:
+    mod(s or None, rows, cols, B, H, device, inputs) -> (B, H, rows, cols), float scores or bool.
+
+    Traced once a call by torch.fx into a graph whose every tensor input is explicit (_ReadsAsInputs): a tensor the
+    mod reads without making it from its arguments (a closure's, a global, a module's parameter, or a value it
+    computes from them) becomes an argument of the graph, `inputs`. The forward and the backward then call the
+    same graph on the same tensors, which autograd saves, and the gradients of those that require grad are the
+    graph's, summed over the blocks and handed back to autograd once, hooks included. A mod that torch.fx cannot
+    trace runs as written if it reads no tensor that requires grad; so does any mod under torch.compile, which
+    inlines it. Each block calls it on broadcast indices b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, rows, 1),
+    kv_idx (1, 1, 1, cols) where, on a small block, that gives what torch's vmap over every index gives (most mods:
+    comparisons, arithmetic, indexing a table by all the indices at once); else vmapped, as torch runs it.
+    shape: (B, H, Lq, Lk) of the call."""
+
+    def __init__(self, mod, name, shape, device, dtype, trace=True):
+        if isinstance(mod, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):  # as torch's flex_attention
+            raise ValueError(f"{name}: a TorchScript function, which cannot be traced: pass it as Python")
+        self.name, self.score, self.fn, self.inputs = name, name == "score_mod", mod, ()
+        compiling = torch.compiler.is_compiling()
+        if trace and not compiling:
+            try:
+                self.fn, reads = _traced(mod, self.score)
+            except Exception as e:  # run as written, where it reads nothing that requires grad
+                if self.score and self._learned(device, dtype):
+                    raise ValueError(f"{name} reads a tensor that requires grad, and torch.fx cannot trace it to "
+                                     f"make that tensor an input of the attention: {e}") from e
+            else:  # an inference tensor has no version to check: its values now
+                self.inputs = tuple(t.clone() if t.is_inference() else t for t in reads)
+                subclass = next((t for t in reads if type(t) not in (torch.Tensor, nn.Parameter)), None)
+                if self.score and subclass is not None:  # its own __torch_function__ may read what no graph shows
+                    raise ValueError(f"score_mod reads a {type(subclass).__name__}, a tensor subclass: pass a plain "
+                                     "tensor")
+        elif trace and self.score and torch.is_grad_enabled() and self._learned(device, dtype):
+            raise ValueError(f"under torch.compile, {name} may read no tensor that requires grad: finding it takes "
+                             "torch.fx, which runs outside the compiled graph (torch.compiler.disable the attention)")
+        self.broadcast = not compiling and self._broadcasts(shape, device, dtype)
+
+    def __call__(self, s, rows, cols, B, H, device, inputs, broadcast=None):
         idx = [torch.arange(r.start, r.stop, device=device) for r in (range(B), range(H), rows, cols)]
-        out, shape = fn(*idx) if s is None else fn(s, *idx), tuple(len(i) for i in idx)  # (B, H, rows, cols)
-    if not (torch.is_tensor(out) and out.shape == shape and (
-            out.dtype == torch.bool if s is None else out.is_floating_point())):
-        raise TypeError(f"{name} must return a {'bool' if s is None else 'float'} for each (b, h, q_idx, "
-                        f"kv_idx), as torch's FlexAttention: got {getattr(out, 'dtype', out)} for {shape}")
-    if s is None:
-        return out
-    out = out.to(s.dtype)  # worked on in place next: a 0-d tensor of the mod's, vmapped, is expanded, or itself
-    return out.contiguous() if out.numel() > 1 else out.clone()
+        args = [] if s is None else [s]
+        if self.broadcast if broadcast is None else broadcast:
+            b, h, i, j = (x.view([-1 if d == n else 1 for d in range(4)]) for n, x in enumerate(idx))
+            out = self.fn(*args, b, h, i, j, *inputs)
+        else:
+            fn = self.fn
+            for n in (3, 2, 1, 0):  # kv_idx innermost, b outermost; the score mapped along with each
+                fn = torch.vmap(fn, in_dims=(0,) * len(args) + tuple(0 if d == n else None for d in range(4))
+                                + (None,) * len(inputs))
+            out = fn(*args, *idx, *inputs)
+        shape = tuple(len(x) for x in idx)
+        if not (torch.is_tensor(out) and (out.is_floating_point() if self.score else out.dtype == torch.bool) and
+                out.dim() <= 4 and all(n in (1, m) for n, m in zip(out.shape[::-1], shape[::-1]))):
+            raise TypeError(f"{self.name} must return a {'float' if self.score else 'bool'} for each (b, h, q_idx, "
+                            f"kv_idx), as torch's FlexAttention: got {getattr(out, 'dtype', out)} "
+                            f"{tuple(getattr(out, 'shape', ()))} for {shape}")
+        out = out if out.shape == shape else out.expand(shape)
+        return out.to(s.dtype) if self.score else out
+
+    def _learned(self, device, dtype):
+        """Whether the mod, on one score, reads a tensor that requires grad: autograd tells, however it read it."""
+        with torch.enable_grad():
+            s = torch.zeros(1, 1, 1, 1, device=device, dtype=torch.promote_types(dtype, torch.float32))
+            out = self(s, slice(0, 1), slice(0, 1), 1, 1, device, self.inputs, broadcast=False)
+        return out.requires_grad
+
+    def _broadcasts(self, shape, device, dtype):
+        """Whether broadcast indices give torch's vmap result, on the first (at most) 4 queries and 5 keys."""
+        (B, H, Lq, Lk), g = shape, torch.Generator().manual_seed(0)
+        rows, cols = slice(0, min(Lq, 4)), slice(0, min(Lk, 5))
+        s = torch.randn(B, H, rows.stop, cols.stop, dtype=torch.promote_types(dtype, torch.float32), generator=g)
+        s = s.to(device) if self.score else None
+        want = self(s, rows, cols, B, H, device, self.inputs, broadcast=False)
+        try:
+            got = self(None if s is None else s.clone(), rows, cols, B, H, device, self.inputs, broadcast=True)
+        except Exception:  # indexing by one index at a time (table[q_idx][kv_idx]), say
+            return False
+        return bool(((got == want) | (got.isnan() & want.isnan()) if self.score else got == want).all())
 
 
-def _pullback(finish, s, opts):
-    """finish(s) (_modded's scores through score_mod) and its gradient's way back to s: autograd on the block's
-    graph, the tensors score_mod reads replaced by stand-ins whose .grad adds up over the blocks (opts.subs);
-    under torch.compile, which cannot trace that inside a backward, torch.func.vjp (where it reads none)."""
-    if torch.compiler.is_compiling():
-        out, vjp = torch.func.vjp(finish, s)
-        return out.clone(), lambda ds: vjp(ds)[0]
-    with torch.enable_grad():
-        s = s.detach().requires_grad_()
-        out = finish(s, _Reads("score_mod", (s, *opts.subs.values()), seen=opts.reads, subs=opts.subs))
+class _ReadsAsInputs(torch.fx.Tracer):
+    """torch.fx's tracer, through modules too, recording as `reads` every tensor a mod uses that is not made from
+    its arguments; each becomes a get_attr node "read<n>" (n: its index in reads), which _traced makes an input."""
 
-    def pullback(ds):
-        if out.requires_grad:  # not where score_mod reads neither the score nor a tensor that requires grad
-            torch.autograd.backward(out, ds, inputs=(s, *opts.subs.values()))
-        return torch.zeros_like(s) if s.grad is None else s.grad
-    return out.detach().clone(), pullback  # a copy: the block update works on it in place
+    def __init__(self):
+        super().__init__(autowrap_modules=(), autowrap_functions=())
+        self.reads = []
 
+    def call_module(self, module, forward, args, kwargs):  # through every module, made part of the graph or not
+        return forward(*args, **kwargs)
 
-_SHAPES = {torch.Tensor.dim, torch.Tensor.size, torch.Tensor.__len__}
+    def create_arg(self, a):
+        if isinstance(a, torch.Tensor):
+            n = next((n for n, t in enumerate(self.reads) if t is a), len(self.reads))
+            self.reads[n:n + 1] = [a]
+            return self.create_node("get_attr", f"read{n}", (), {})
+        return super().create_arg(a)
 
 
-class _Reads(TorchFunctionMode):
-    """A mod's torch calls, watched for the tensors it reads but did not make from its inputs (a closure's, a
-    global, a module's). Its first call puts them in found, with their versions. Called again by the backward
-    (seen: what was found; subs: stand-ins for those that require grad, whose gradients reach the user's tensors
-    through the outer backward, once, hooks included), a tensor not read then, or changed since, is refused:
-    the backward would recompute another forward. A mask_mod may read none that requires grad."""
+def _traced(mod, score):
+    """(the mod as a graph module taking its tensor reads as arguments after the indices, those tensors)."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return mod(score, b, h, q_idx, kv_idx)
 
-    def __init__(self, name, inputs=(), found=None, seen=None, subs=None):
-        super().__init__()
-        frozen = {key: was for key, (_, was) in (seen or {}).items() if isinstance(was, torch.Tensor)}
-        self.name, self.found, self.seen, self.subs = name, found, seen, {**(subs or {}), **frozen}
-        self.made = {id(t): t for t in (*inputs, *self.subs.values())}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _SHAPES:  # vmap's many questions, which read no values
-            return func(*args, **(kwargs or {}))
-        kwargs, swap = kwargs or {}, lambda t: self.subs.get(id(t), t)
-        if any(isinstance(a, (list, tuple, dict)) for a in (*args, *kwargs.values())):  # tensors in a list
-            args, kwargs = tree_map(swap, (args, kwargs))
-            flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        else:  # the usual call, and the fast one
-            args, kwargs = [swap(a) for a in args], {key: swap(a) for key, a in kwargs.items()}
-            flat = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        for t in (t for t in flat if id(t) not in self.made and not is_batchedtensor(t)):  # not vmap's own
-            self.read(t)
-        out = func(*args, **kwargs)
-        made = tree_flatten(out)[0] if isinstance(out, (list, tuple)) else [out]
-        self.made |= {id(t): t for t in made if isinstance(t, torch.Tensor)}
-        return out
-
-    def read(self, t):
-        if type(t) not in (torch.Tensor, nn.Parameter):  # its own __torch_function__ would read unwatched
-            raise ValueError(f"{self.name} reads a {type(t).__name__}: a tensor subclass, whose reads are not seen")
-        if t.requires_grad and self.name == "mask_mod":
-            raise ValueError(f"mask_mod reads a tensor that requires grad, {tuple(t.shape)}: a mask has no "
-                             "gradient, detach it")
-        if self.found is not None:  # an inference tensor has no version: its values then, read in its place
-            self.found[id(t)] = t, t.clone() if t.is_inference() else t._version
-        elif self.seen is not None:  # the backward's call
-            was, version = self.seen.get(id(t), (None, -1))
-            if was is not t or version != t._version:
-                raise ValueError(f"{self.name} reads a tensor {tuple(t.shape)} that its forward did not, or that "
-                                 "has changed since: the backward, which calls it again, would not be that forward's")
-
-
-def _first_reads(mod, q, score=True):
-    """What a mod (score_mod, or mask_mod) reads on its first call, on one of q's scores: _Reads's found."""
-    name, found = "score_mod" if score else "mask_mod", {}
-    if isinstance(mod, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):  # as torch's flex_attention
-        raise ValueError(f"{name}: a TorchScript function, whose reads cannot be seen: pass it as Python")
-    s = q.new_zeros(1, 1, 1, 1, dtype=torch.promote_types(q.dtype, torch.float32)) if score else None
-    with torch.enable_grad():
-        out = _call_mod(mod, s, *[slice(0, 1)] * 2, 1, 1, q.device, _Reads(name, [s] * score, found=found))
-    if score and out.requires_grad and torch.compiler.is_compiling() and torch.is_grad_enabled():
-        raise ValueError("under torch.compile, score_mod may read no tensor that requires grad (_pullback)")
-    stops = {id(t.grad_fn or t) for t, _ in found.values() if t.requires_grad}  # what it was seen to read
-    todo, walked = [out.grad_fn] if out.requires_grad and not torch.compiler.is_compiling() else [], set()
-    while todo:  # its score's graph, down to those: any other leaf it reached, it read unseen
-        node = todo.pop()
-        if node is None or id(node) in walked or id(node) in stops:
-            continue
-        walked.add(id(node))
-        leaf = getattr(node, "variable", None)  # an AccumulateGrad's
-        if leaf is not None and id(leaf) not in stops:
-            raise ValueError(f"{name} reads a tensor that requires grad where no torch function call shows it")
-        todo += [f for f, _ in node.next_functions]
-    return found
+    def mask_mod(b, h, q_idx, kv_idx):
+        return mod(b, h, q_idx, kv_idx)
+    tracer = _ReadsAsInputs()
+    graph = tracer.trace(score_mod if score else mask_mod)
+    with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
+        reads = [graph.placeholder(f"read{n}") for n in range(len(tracer.reads))]
+    for node in [n for n in graph.nodes if n.op == "get_attr"]:
+        node.replace_all_uses_with(reads[int(node.target[4:])])
+        graph.erase_node(node)
+    return torch.fx.GraphModule(nn.Module(), graph), tuple(tracer.reads)
 
 
 def _block_plan(block_mask, Lk):
@@ -1876,46 +2008,12 @@ def _matmul(a, b, alpha=1.0):
 
 
 def _scores(q_i, k, rows, cols, opts, backward=False):
-    """S_j of one block, (B, H, rows, cols), in base 2 with ALiBi's bias and the mask, float32 (float64 for
-    float64); the backward recomputes it. q_i: the queries `rows` as _per_kv_head lays them out. A float mask
-    goes to base 2 here, clamped to its finite range. The user's mods run here, and only here (_modded); the
-    backward also gets the pullback through score_mod (None without one)."""
+    """S_j of one block, (B, H, rows, cols), float32 (float64 for float64), in base 2, with every variant of the
+    call applied (Visibility.scores); the backward recomputes it, and also gets the pullback through a user's
+    score_mod (None without one). q_i: the queries `rows` as _per_kv_head lays them out."""
     s = _matmul(q_i, k[:, :, cols].transpose(-2, -1), alpha=opts.scale * opts.base)  # (B, H_kv, G rows, cols)
     s = s.view(s.size(0), -1, rows.stop - rows.start, s.size(-1))  # (B, H, rows, cols)
-    mask = mask_block(opts.mask, rows, cols, is_causal=opts.is_causal, shift=opts.shift,
-                      window_size=opts.window_size, doc_ids=opts.doc_ids, offsets=opts.offsets,
-                      alibi_slopes=opts.alibi_slopes, scores=s, device=q_i.device)
-    if opts.mask is not None and opts.mask.is_floating_point():
-        mask = _finite_bias(mask, s.dtype, opts.base)
-    if opts.score_mod is None and opts.plan is None:
-        return (_apply_mask(s, mask), None) if backward else _apply_mask(s, mask)
-    return _modded(s, mask, rows, cols, opts, backward)
-
-
-def _modded(s, mask, rows, cols, opts, backward):
-    """A block's scores s (in nats, ALiBi's bias added) through the user's mods, as FlexAttention applies
-    them: a float mask's finite bias added, then score_mod, then -inf where a mask or the BlockMask hides a
-    key; in base 2. backward: also the pullback through score_mod (None without one)."""
-    hidden = None if mask is None else ~mask if mask.dtype == torch.bool else torch.isneginf(mask)
-    if mask is not None and mask.is_floating_point():
-        s = s.add_(mask.masked_fill(hidden, 0.0))
-    states, partial = (None, False) if opts.plan is None else opts.plan[rows.start][cols.start]
-    if states is not None:  # the BlockMask's verdict: all keys of a full block, mask_mod's in a partial one
-        seen = states == 2
-        if partial:
-            reads = _Reads("mask_mod", seen=opts.mask_reads) if backward else None  # as in the forward
-            seen = seen | ((states == 1) & _call_mod(opts.mask_mod, None, rows, cols, *s.shape[:2],
-                                                     s.device, reads))
-        hidden = ~seen if hidden is None else hidden | ~seen
-
-    def finish(s, reads=None):  # reads: the backward's _Reads (_pullback)
-        s = s if opts.score_mod is None else _call_mod(opts.score_mod, s, rows, cols, *s.shape[:2], s.device,
-                                                       reads)
-        return s if hidden is None else s.masked_fill(hidden, -math.inf)
-    if not backward:
-        return finish(s).mul_(LOG2E)
-    s, pullback = (finish(s), None) if opts.score_mod is None else _pullback(finish, s, opts)
-    return s.mul_(LOG2E), pullback
+    return opts.vis.scores(s, rows, cols, backward)
 
 
 # Dropout multiplies P_j by a keep-mask Z_j in the products with V and dO, and divides by 1 - p.
@@ -2025,13 +2123,9 @@ def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_
     for a device's own, so that a CPU test can plan what a CUDA kernel gets."""
     device_type, choose = device_type or ("cpu" if q.is_cpu else q.device.type), choose or _chosen_kernel
     mask, dead = attn_mask, None
-    if shift or window_size is not None or cu_seqlens is not None or alibi_slopes is not None or (
-            is_causal and attn_mask is not None):  # else SDPA takes attn_mask as it is, causality as a flag
-        doc_ids = None if cu_seqlens is None else documents(cu_seqlens, q.size(-2), q.device)[0]
-        mask = mask_block(attn_mask, slice(0, q.size(-2)), slice(0, k.size(-2)), is_causal=is_causal,
-                          shift=shift, window_size=window_size, doc_ids=doc_ids, alibi_slopes=alibi_slopes,
-                          device=q.device)
-        is_causal = False
+    rules = named_rules(is_causal, window_size, cu_seqlens, alibi_slopes, q.size(-2), q.device)
+    if rules and not (is_causal and len(rules) == 1 and attn_mask is None and not shift):  # SDPA's own flag
+        mask, is_causal = Visibility(rules, shift, attn_mask=attn_mask).dense(q.size(-2), k.size(-2), q.device), False
     float_mask = mask is not None and mask.is_floating_point()
     # a float mask in q's dtype, or float32 beside 16 bits (what the CPU kernel adds in): a float32 mask beside
     # float64 q is misread where the CPU's vectors are 256 bits wide (AVX2): keys 4-7 of every 8 unscaled, unmasked
@@ -2157,7 +2251,7 @@ def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size
                     enable_gqa=False):
     """The arguments every path takes, checked, then as SDPA takes them (scale = 1/sqrt(D) unless given, and
     under autocast float32 q, k, v in autocast's dtype, SDPA being on its lower-precision list): (q, k, v,
-    attn_mask ready for mask_block, is_causal, shift, scale). shift: query i sits at key position i + shift, 0
+    attn_mask ready for Visibility, is_causal, shift, scale). shift: query i sits at key position i + shift, 0
     (top-left, is_causal's alignment, as SDPA's) or Lk - Lq for SDPA's causal_lower_right (bottom-right: a KV
     cache's). Each attribute is read once: this is most of flash's own cost."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:

@@ -80,7 +80,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.flop_counter
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 import approximate_attention as approx
@@ -1180,9 +1182,7 @@ def test_packed_chunked_visits_only_the_blocks_documents_leave_visible(monkeypat
     scored, scores = [], mt._scores
 
     def counting(q, k, rows, cols, opts, **kw):
-        mask = mt.mask_block(opts.mask, rows, cols, is_causal=opts.is_causal, window_size=opts.window_size,
-                             doc_ids=opts.doc_ids, offsets=opts.offsets)
-        scored.append((rows.start, cols.start, cols.stop, mask is not None))
+        scored.append((rows.start, cols.start, cols.stop, opts.vis.keep(rows, cols, q.device) is not None))
         return scores(q, k, rows, cols, opts, **kw)
     monkeypatch.setattr(mt, "_scores", counting)
     q, k, v = (t.requires_grad_() for t in make_qkv(1, 1, 64, 64, 4))
@@ -2009,12 +2009,12 @@ def test_rolling_back_drops_each_row_own_tokens(side):
 
 @pytest.mark.parametrize("impl", mt.IMPLS)
 def test_bottom_right_causality_with_key_padding_without_a_cache(impl):
-    # the documented way (mask_block's docstring, the README): a CausalBias cannot carry a mask, so a prefill chunk
-    # after Lk - Lq keys with key padding takes mask_block(keep, ..., is_causal=True, shift=Lk - Lq) as attn_mask
+    # the documented way (the README): a CausalBias cannot carry a mask, so a prefill chunk after Lk - Lq keys with
+    # key padding takes Visibility([causal()], shift=Lk - Lq, attn_mask=keep).dense(Lq, Lk) as attn_mask
     Lq, Lk = 6, 15
     q, k, v = make_qkv(2, 2, Lq, Lk, 8, seed=9)
     keep = mt.padding_mask(torch.tensor([15, 9]), Lk)
-    mask = mt.mask_block(keep, slice(0, Lq), slice(0, Lk), is_causal=True, shift=Lk - Lq)
+    mask = mt.Visibility([mt.causal()], shift=Lk - Lq, attn_mask=keep).dense(Lq, Lk, keep.device)
     dout = torch.randn(2, 2, Lq, 8, dtype=torch.float64)
     ref = grads_of(lambda q, k, v: decoder_ref(q, k, v, Lk - Lq, keep=keep), q, k, v, dout)
     ours = grads_of(lambda q, k, v: run_path(impl, q, k, v, attn_mask=mask), q, k, v, dout)
@@ -2227,69 +2227,110 @@ class Scaled(torch.Tensor):
             return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
 
-def test_flex_refuses_what_its_backward_cannot_recompute():
-    # the backward calls the mods again: what score_mod reads that requires grad is found by its first call, on a
-    # score of the inputs' precision (one read only in float64 is found); a tensor read only after the first
-    # call, one a mod reads changed in place after the forward, or one rebound, are refused by name, as a read
-    # hidden inside a tensor subclass and a second-order backward are: each had given silently wrong gradients
+def test_flex_backward_computes_its_forwards_function():
+    # each mod is traced once a call into a graph whose every tensor read is an input, saved by autograd: the
+    # backward computes what the forward did. A mod torch.fx cannot trace (Python control flow on its score) that
+    # reads a tensor that requires grad, a tensor subclass, TorchScript and a second-order backward are refused by
+    # name; a tensor a mod read, changed in place since, is autograd's error; one rebound, a mask_mod replaced on
+    # the BlockMask, an inference tensor changed, a mod with side effects: the backward is still the forward's
     L = 30
     q, k, v = make_qkv(1, 2, L, L, 8, seed=14)
     q.requires_grad_()
     table = torch.randn(2 * L - 1, dtype=torch.float64, requires_grad=True)
     i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
-    out = mt.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + (table[qi - ki + L - 1] if s.dtype == torch.float64
-                                                                   else 0))
-    got = torch.autograd.grad(out.sum(), table)[0]
-    want = torch.autograd.grad(dense_flex(q, k, v, lambda s: s + table[i - j + L - 1]).sum(), table)[0]
-    torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
-    calls, holder = [], types.SimpleNamespace(bias=torch.randn(2 * L - 1, dtype=torch.float64))
-    later = lambda s, b, h, qi, ki: s if not calls.append(1) and len(calls) == 1 else s + table[qi - ki + L - 1]  # noqa
-    const, docs = holder.bias.clone(), (torch.arange(L) >= 10).long()
+    with pytest.raises(ValueError, match="score_mod reads a tensor that requires grad, and torch.fx cannot trace"):
+        mt.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + (table[qi - ki + L - 1] if s.dtype == torch.float64
+                                                                 else 0))
+    dq = lambda out, ref: torch.testing.assert_close(  # noqa: E731
+        torch.autograd.grad(out.sum(), q)[0], torch.autograd.grad(ref.sum(), q)[0], atol=1e-10, rtol=0)
+    calls = []  # Python side effects happen once, at the trace: the function traced is the forward's and backward's
+    out = mt.flex_attention(q, k, v, lambda s, b, h, qi, ki: s if not calls.append(1) and len(calls) == 1
+                            else s + table[qi - ki + L - 1])
+    dq(out, dense_flex(q, k, v))
+    const, docs = torch.randn(2 * L - 1, dtype=torch.float64), (torch.arange(L) >= 10).long()
     block_mask = mt.create_block_mask(lambda b, h, qi, ki: docs[qi] == docs[ki], None, None, L, L, BLOCK_SIZE=8)
-    for mod, mask, change in ((later, None, lambda: None),
-                              (lambda s, b, h, qi, ki: s + const[qi - ki + L - 1], None, lambda: const.add_(1)),
-                              (lambda s, b, h, qi, ki: s + holder.bias[qi - ki + L - 1], None,
-                               lambda: setattr(holder, "bias", holder.bias + 1)),
+    for mod, mask, change in ((lambda s, b, h, qi, ki: s + const[qi - ki + L - 1], None, lambda: const.add_(1)),
                               (None, block_mask, lambda: docs.fill_(0))):
         out = mt.flex_attention(q, k, v, mod, mask)
         change()
-        with pytest.raises(ValueError, match=r"mod reads a tensor \(\d+,\) that its forward did not, or that has "
-                                             "changed since"):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.sum().backward()
+    holder = types.SimpleNamespace(bias=torch.randn(2 * L - 1, dtype=torch.float64))
+    before = holder.bias
+    out = mt.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + holder.bias[qi - ki + L - 1])
+    holder.bias = holder.bias + 1
+    dq(out, dense_flex(q, k, v, lambda s: s + before[i - j + L - 1]))
     docs = (torch.arange(L) >= 10).long()  # the mask_mod the forward used, even if replaced before the backward
     block_mask = mt.create_block_mask(lambda b, h, qi, ki: docs[qi] == docs[ki], None, None, L, L, BLOCK_SIZE=8)
-    mask_mod = block_mask.mask_mod
     out, ref = mt.flex_attention(q, k, v, block_mask=block_mask), dense_flex(q, k, v, None, docs[i] == docs[j])
     block_mask.mask_mod = lambda b, h, qi, ki: (docs[qi] == docs[ki]) & (qi >= ki)  # as users set a slice's
-    torch.testing.assert_close(torch.autograd.grad(out.sum(), q)[0], torch.autograd.grad(ref.sum(), q)[0],
-                               atol=1e-10, rtol=0)
-    assert mask_mod is not block_mask.mask_mod
+    dq(out, ref)
     with torch.inference_mode():  # no version to check: the backward reads its values at the forward
         frozen = torch.randn(2 * L - 1, dtype=torch.float64)
     before = frozen.clone()
     out = mt.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + frozen[qi - ki + L - 1])
     with torch.inference_mode():
         frozen.add_(1)
-    ref = dense_flex(q, k, v, lambda s: s + before[i - j + L - 1])
-    torch.testing.assert_close(torch.autograd.grad(out.sum(), q)[0], torch.autograd.grad(ref.sum(), q)[0],
-                               atol=1e-10, rtol=0)
-    table_module = torch.jit.script(LearnedBias(2, L))
-    with pytest.raises(ValueError, match="score_mod: a TorchScript function, whose reads cannot be seen"):
-        mt.flex_attention(q, k, v, table_module)
-
-    def unwatched(s, b, h, qi, ki):  # table read where the watch sees it, another where it cannot
-        seen = s + table[qi - ki + L - 1]
-        with torch._C.DisableTorchFunction():
-            return seen + hidden[qi - ki + L - 1]
-    hidden = table.detach().clone().requires_grad_()
-    with pytest.raises(ValueError, match="score_mod reads a tensor that requires grad where no torch function"):
-        mt.flex_attention(q, k, v, unwatched)
-    scaled = Scaled(torch.randn(2 * L - 1, dtype=torch.float64, requires_grad=True), 2.0)
-    with pytest.raises(ValueError, match="score_mod reads a Scaled: a tensor subclass, whose reads are not seen"):
+    dq(out, dense_flex(q, k, v, lambda s: s + before[i - j + L - 1]))
+    with pytest.raises(ValueError, match="score_mod: a TorchScript function, which cannot be traced"):
+        mt.flex_attention(q, k, v, torch.jit.script(LearnedBias(2, L)))
+    scaled = Scaled(torch.randn(2 * L - 1, dtype=torch.float64, requires_grad=True), 2.0)  # its read hidden inside
+    with pytest.raises(ValueError, match="score_mod reads a tensor that requires grad, and torch.fx cannot trace"):
         mt.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + scaled[qi - ki + L - 1])
+    plain = torch.randn(2 * L - 1, dtype=torch.float64).as_subclass(type("Sub", (torch.Tensor,), {}))
+    with pytest.raises(ValueError, match="score_mod reads a Sub, a tensor subclass"):  # one torch.fx traces
+        mt.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + plain[qi - ki + L - 1])
     out = mt.flex_attention(q, k, v, lambda s, b, h, qi, ki: 5 * torch.tanh(s / 5))
     with pytest.raises(RuntimeError, match="flex_attention's backward cannot be differentiated"):
         torch.autograd.grad(out.sum(), q, create_graph=True)
+
+
+class DoNothing(TorchDispatchMode):
+    """A dispatch mode that only runs each op: what a profiler or a FLOP counter wraps around a step."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_flex_gradients_hold_under_dispatch_modes_in_place_mods_and_hidden_reads():
+    # the gradients of q, k, v and of every learned tensor a mod reads, against dense autograd in float64: the
+    # backward under FlopCounterMode and under a dispatch mode that does nothing, with partial BlockMask blocks and
+    # a learned mod that ignores the score; a mod that edits its score in place; a tensor read where torch
+    # functions are disabled, computed from a learned one (its whole gradient), or indexed there (refused by name)
+    L, H = 70, 2
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, H, L, L, 8, seed=20))
+    table = torch.randn(H, 2 * L - 1, dtype=torch.float64, requires_grad=True)
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    keep = (i // 25 == j // 25) | (j < 5)  # partial blocks of 32
+    block_mask = mt.create_block_mask(lambda b, h, qi, ki: (qi // 25 == ki // 25) | (ki < 5), None, None, L, L,
+                                      BLOCK_SIZE=32)
+    dout = torch.randn(2, H, L, 8, dtype=torch.float64)
+
+    def hidden(s, b, h, qi, ki):
+        with torch._C.DisableTorchFunction():
+            doubled = table * 2  # made from a learned tensor out of sight of any torch function mode
+        return s + doubled[h, qi - ki + L - 1]
+    cases = [(lambda s, b, h, qi, ki: table[h, qi - ki + L - 1], block_mask, lambda s: table[:, i - j + L - 1] + 0 * s,
+              keep, (torch.utils.flop_counter.FlopCounterMode(display=False), DoNothing())),
+             (lambda s, b, h, qi, ki: s.add_(table[h, qi - ki + L - 1]), None, lambda s: s + table[:, i - j + L - 1],
+              None, (contextlib.nullcontext(),)),
+             (hidden, block_mask, lambda s: s + 2 * table[:, i - j + L - 1], keep, (contextlib.nullcontext(),))]
+    for mod, mask, dense_mod, kept, modes in cases:
+        ref = dense_flex(q, k, v, dense_mod, kept)
+        want = torch.autograd.grad(ref, [q, k, v, table], dout)
+        for mode in modes:
+            out = mt.flex_attention(q, k, v, mod, mask)
+            with mode:
+                got = torch.autograd.grad(out, [q, k, v, table], dout)
+            torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+    def indexed_out_of_sight(s, b, h, qi, ki):
+        with torch._C.DisableTorchFunction():
+            return s + table[h, qi - ki + L - 1]
+    with pytest.raises(ValueError, match="score_mod reads a tensor that requires grad, and torch.fx cannot trace"):
+        mt.flex_attention(q, k, v, indexed_out_of_sight)
 
 
 def test_create_block_mask_gives_torchs_blocks():
@@ -2352,9 +2393,9 @@ def test_flex_mods_see_torchs_conventions():
     bias = 10 * torch.arange(2.0, dtype=torch.float64)[:, None, None, None] + torch.arange(4.0)[None, :, None, None]
     torch.testing.assert_close(out, dense_flex(q, k, v, lambda s: s + bias), atol=1e-10, rtol=0)
     for dtype, score_dtype in ((torch.float64, torch.float64), (torch.float32, torch.float32),
-                               (torch.bfloat16, torch.float32)):
-        mt.flex_attention(*(t.to(dtype) for t in (q, q, q)), lambda s, b, h, i, j: seen.append(s.dtype) or s)
-        assert seen[-1] == score_dtype
+                               (torch.bfloat16, torch.float32)):  # a mod torch.fx cannot trace runs as written
+        mt.flex_attention(*(t.to(dtype) for t in (q, q, q)), lambda s, b, h, i, j: seen.append(torch.finfo(s.dtype)) or s)
+        assert seen[-1] == torch.finfo(score_dtype)
     half = mt.flex_attention(q, q, q, lambda s, b, h, i, j: s.half())
     torch.testing.assert_close(half, dense_flex(q, q, q, lambda s: s.half().double()), atol=1e-10, rtol=0)
     with pytest.raises(TypeError, match="score_mod must return a float for each"):
@@ -2447,13 +2488,10 @@ def test_flex_refuses_by_name():
         mt.flex_attention(q, k, v, block_mask=torch.ones(20, 20, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"a divisor of q's H .*\(2, 3, 20, 8\)"):
         mt.flex_attention(q, k[:, :3], v[:, :3], enable_gqa=True)
-    w = torch.randn(20, requires_grad=True)
-    with pytest.raises(ValueError, match="mask_mod reads a tensor that requires grad"):
-        mt.flex_attention(q, k, v, block_mask=mt.create_block_mask(lambda b, h, i, j: w[i] > 0, None, None, 20, 20))
-    torchs = torch_flex.create_block_mask(lambda b, h, i, j: [w.detach()][0][i] > 0, None, None, 20, 20, "cpu")
-    torchs.mask_mod = lambda b, h, i, j: [w][0][i] > 0  # a tensor reached through a list, on torch's BlockMask
-    with pytest.raises(ValueError, match=r"mask_mod reads a tensor that requires grad, \(20,\): a mask has no"):
-        mt.flex_attention(q, k, v, block_mask=torchs)
+    w = torch.randn(20, requires_grad=True)  # a mask reading a tensor that requires grad: as torch, no gradient
+    mask = mt.create_block_mask(lambda b, h, i, j: [w][0][i] > 0, None, None, 20, 20)  # reached through a list
+    mt.flex_attention(q.requires_grad_(), k, v, block_mask=mask).sum().backward()
+    assert w.grad is None and q.grad is not None
     with pytest.raises(TypeError, match="mask_mod must return a bool for each"):  # torch: mask.dtype must be bool
         mt.create_block_mask(lambda b, h, i, j: i - j, None, None, 20, 20)
     beyond = torch_flex.BlockMask.from_kv_blocks(torch.ones(1, 1, 2, dtype=torch.int32),  # block 2 of 0 .. 1
@@ -2534,13 +2572,19 @@ for kw, mod in ((dict(attn_mask=block_mask), layer.self_attn.score_mod), (dict(i
         refused.append(str(e))
 assert "a BlockMask is read on the host to choose the blocks: not under torch.compile" in refused[0], refused
 assert "under torch.compile, score_mod may read no tensor that requires grad" in refused[1], refused
+layer.self_attn.score_mod = LearnedBias(2, 256).float().mod  # without fullgraph: the attention runs outside
+table = layer.self_attn.score_mod.__self__.table
+want = torch.autograd.grad(layer(x, is_causal=True).sum(), [x, table])
+got = torch.autograd.grad(torch.compile(layer, backend="aot_eager")(x, is_causal=True).sum(), [x, table])
+torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 """
 
 
 def test_flex_compiles_to_one_graph():
     # torch.compile(fullgraph=True) of an encoder layer on the flex path (a softcap, causal, n = 256 in 2 x 2 blocks),
-    # forward and backward, equals eager in one graph; refused by name there: a BlockMask (read on the host to choose blocks) and a
-    # score_mod reading tensors that require grad (autograd cannot be traced inside a backward). In a
+    # forward and backward, equals eager in one graph; refused by name there: a BlockMask (read on the host to choose
+    # blocks) and a score_mod reading tensors that require grad (found by torch.fx, outside the graph); without
+    # fullgraph that score_mod runs, its gradients eager's. In a
     # process of its own: after a refused trace, torch 2.13 holds about 2 MiB more at the peak of later eager calls
     run = subprocess.run([sys.executable, "-c", FLEX_COMPILE_CHECK], cwd=os.path.dirname(mt.__file__),
                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -20,9 +20,9 @@ pairs, real = [], []
 for seed in range(20):
     x, _, cu = mt.packed_reverse_batch(2048, 4, 32, 32, torch.Generator().manual_seed(seed),
                                        torch.Generator().manual_seed(seed))
-    offsets = cu.tolist()
+    visibility = mt.Visibility(mt.named_rules(cu_seqlens=cu, L=2048))
     pairs.append(sum((rows.stop - rows.start) * (cols.stop - cols.start) for rows in mt._blocks(2048, 256)
-                     for cols in mt._key_blocks(rows, 2048, 256, False, None, offsets)))
+                     for cols in visibility.key_blocks(rows, 2048, 256)))
     real.append((x != mt.PAD).float().mean().item())
 print(f"20 packed rows: chunked computes {statistics.mean(pairs) / (64 * 32 * 32):.2f}x the pairs of a padded "
       f"64 x 32 batch; {100 * statistics.mean(real):.2f}% of the packed tokens are real")
