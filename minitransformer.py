@@ -58,6 +58,7 @@ import contextlib
 import functools
 import gc
 import math
+import operator
 import os
 import re
 import time
@@ -1581,8 +1582,9 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
         if block_mask is not None:
             mods.mask = _Mod(block_mask.mask_mod, "mask_mod", shape, q.device, q.dtype)
             mods.plan = _block_plan(block_mask, k.size(-2))
+        nats = mods.score is not None and mods.score.bias is None  # what a score_mod that is no bias reads
         opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens,
-                             alibi_slopes, shift, base=1.0, mods=mods)
+                             alibi_slopes, shift, base=1.0 if nats else LOG2E, mods=mods)
         inputs = mods.score_inputs + (() if mods.mask is None else mods.mask.inputs)
         out, m, log2_l = _ModdedAttention.apply(q, k, v, attn_mask, opts, cq, *inputs)
     else:
@@ -1629,7 +1631,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     nk, counts = -(-KV_LEN // ck), []  # ceil(KV_LEN / ck) key blocks; for each row of blocks, the keys they show
     mod = _Mod(mask_mod, "mask_mod", (B, H, Q_LEN, KV_LEN), device, torch.float32, trace=False)
     for rows in _blocks(Q_LEN, cq):
-        seen = mod(None, rows, slice(0, KV_LEN), B, H, device, ())
+        seen = mod(None, rows, slice(0, KV_LEN), ()).expand(B, H, rows.stop - rows.start, KV_LEN)
         seen = F.pad(seen, (0, nk * ck - KV_LEN))
         counts.append(seen.view(B, H, rows.stop - rows.start, nk, ck).sum((2, 4)))  # padding: keys none shows
     counts = torch.stack(counts, 2)  # (B, H, nq, nk)
@@ -1791,7 +1793,7 @@ class _ModdedAttention(torch.autograd.Function):
 class _Mods:
     """A user's FlexAttention mods, ready for the blocks, once a call: score_mod and a BlockMask's mask_mod (_Mod),
     the BlockMask read on the host (_block_plan), and the tensors the score_mod's graph reads (its inputs, or in the
-    backward their stand-ins)."""
+    backward their stand-ins, whose .grad adds up over the blocks)."""
     score: Optional["_Mod"]
     mask: Optional["_Mod"]
     plan: Optional[dict]
@@ -1800,39 +1802,52 @@ class _Mods:
     def scores(self, s, rows, cols, keep, backward):
         """Visibility.scores for a block with a user's mods: s (B, H, rows, cols) in nats, the named rules' biases
         added, through score_mod, then -inf where keep, the BlockMask or its mask_mod hide a key, in base 2."""
-        B, H = s.shape[:2]
         hidden = None if keep is None else ~keep
         states, partial = (None, False) if self.plan is None else self.plan[rows.start][cols.start]
         if states is not None:  # the BlockMask's verdict: all keys of a full block, mask_mod's in a partial one
             seen = states == 2
             if partial:
-                seen = seen | ((states == 1) & self.mask(None, rows, cols, B, H, s.device, self.mask.inputs))
+                seen = seen | ((states == 1) & self.mask(None, rows, cols, self.mask.inputs))
             hidden = ~seen if hidden is None else hidden | ~seen
         pullback = None
-        if self.score is not None and backward:
-            s, pullback = self._pullback(s, rows, cols)
-        elif self.score is not None:
-            s = self.score(s, rows, cols, B, H, s.device, self.score_inputs)
-        # a new tensor, never in place on the mod's own result, which may be a view of its input or of a tensor it reads
-        s = s * LOG2E if hidden is None else s.masked_fill(hidden, -math.inf).mul_(LOG2E)
+        if self.score is not None and self.score.bias is not None:  # score + f: f added in place, in base 2
+            f = self.score.bias(None, *self.score.indices(rows, cols), *self.score_inputs)
+            s = s.add_(f, alpha=self.score.sign * LOG2E)
+            if backward and any(t.requires_grad for t in self.score_inputs):
+                pullback = self._bias_pullback(rows, cols)
+        elif self.score is not None:  # in nats, then base 2 in a new tensor: the mod's result may be a view
+            s, pullback = self._pullback(s, rows, cols) if backward else (self.score(s, rows, cols, self.score_inputs),
+                                                                          None)
+            s = s * LOG2E if hidden is None else s.masked_fill(hidden, -math.inf).mul_(LOG2E)
+            return (s, pullback) if backward else s
+        s = s if hidden is None else s.masked_fill_(hidden, -math.inf)
         return (s, pullback) if backward else s
+
+    def _bias_pullback(self, rows, cols):
+        """For score + f: ds passes through unchanged; the stand-ins that require grad get f's share of it."""
+        learned = [t for t in self.score_inputs if t.requires_grad]
+        with torch.enable_grad():
+            f = self.score.bias(None, *self.score.indices(rows, cols), *self.score_inputs)
+
+        def pullback(ds):
+            torch.autograd.backward(f, ds.sum_to_size(f.shape) * self.score.sign, inputs=learned)
+            return ds
+        return pullback
 
     def _pullback(self, s, rows, cols):
         """score_mod(s) on a block and its way back, ds -> the gradient of s, adding the gradients of the stand-ins
         that require grad into their .grad; under torch.compile, where the mod is called as the user wrote it
         (reading no tensor that requires grad: _Mod), torch.func.vjp."""
-        B, H = s.shape[:2]
-        mod = functools.partial(self.score, rows=rows, cols=cols, B=B, H=H, device=s.device, inputs=self.score_inputs)
         if torch.compiler.is_compiling():
-            out, vjp = torch.func.vjp(mod, s)
+            out, vjp = torch.func.vjp(lambda s: self.score(s, rows, cols, self.score_inputs), s)
             return out, lambda ds: vjp(ds)[0]
         with torch.enable_grad():
             s = s.detach().requires_grad_()
-            out = mod(s.clone())  # a copy: the mod may work on its score in place
+            out = self.score(s.clone() if self.score.in_place else s, rows, cols, self.score_inputs)
         learned = [t for t in self.score_inputs if t.requires_grad]
 
-        def pullback(ds):
-            if out.requires_grad:  # not where the mod reads neither its score nor a tensor that requires grad
+        def pullback(ds):  # backward, not grad: inside an outer autograd.grad, FlopCounterMode refuses grad
+            if out.requires_grad:  # else the mod reads neither its score nor a tensor that requires grad
                 torch.autograd.backward(out, ds, inputs=[s, *learned])
             return torch.zeros_like(s) if s.grad is None else s.grad
         return out.detach(), pullback
@@ -1840,7 +1855,7 @@ class _Mods:
 
 class _Mod:
     """A user's mod, score_mod(score, b, h, q_idx, kv_idx) or mask_mod(b, h, q_idx, kv_idx), as the blocks call it:
-    mod(s or None, rows, cols, B, H, device, inputs) -> (B, H, rows, cols), float scores or bool.
+    mod(s or None, rows, cols, inputs) -> the block's scores (B, H, rows, cols), or its bool mask (broadcastable).
 
     Traced once a call by torch.fx into a graph whose every tensor input is explicit (_ReadsAsInputs): a tensor the
     mod reads without making it from its arguments (a closure's, a global, a module's parameter, or a value it
@@ -1856,66 +1871,94 @@ class _Mod:
     def __init__(self, mod, name, shape, device, dtype, trace=True):
         if isinstance(mod, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):  # as torch's flex_attention
             raise ValueError(f"{name}: a TorchScript function, which cannot be traced: pass it as Python")
-        self.name, self.score, self.fn, self.inputs = name, name == "score_mod", mod, ()
-        compiling = torch.compiler.is_compiling()
+        self.name, self.score, self.fn, self.inputs, self.in_place = name, name == "score_mod", mod, (), True
+        self.b, self.h = (torch.arange(n, device=device, dtype=torch.int32) for n in shape[:2])  # torch's dtype
+        self.bias, self.sign = None, 0
+        compiling, untraced = torch.compiler.is_compiling(), None
         if trace and not compiling:
             try:
                 self.fn, reads = _traced(mod, self.score)
             except Exception as e:  # run as written, where it reads nothing that requires grad
-                if self.score and self._learned(device, dtype):
-                    raise ValueError(f"{name} reads a tensor that requires grad, and torch.fx cannot trace it to "
-                                     f"make that tensor an input of the attention: {e}") from e
+                untraced = e
             else:  # an inference tensor has no version to check: its values now
                 self.inputs = tuple(t.clone() if t.is_inference() else t for t in reads)
+                self.in_place = any(n.op == "call_method" and n.target[-1] == "_" != n.target[-2]
+                                    for n in self.fn.graph.nodes)  # a method such as add_: it edits its score
                 subclass = next((t for t in reads if type(t) not in (torch.Tensor, nn.Parameter)), None)
                 if self.score and subclass is not None:  # its own __torch_function__ may read what no graph shows
                     raise ValueError(f"score_mod reads a {type(subclass).__name__}, a tensor subclass: pass a plain "
                                      "tensor")
-        elif trace and self.score and torch.is_grad_enabled() and self._learned(device, dtype):
-            raise ValueError(f"under torch.compile, {name} may read no tensor that requires grad: finding it takes "
+                self.bias, self.sign = _additive(self.fn) if self.score else (None, 0)
+        self.vmapped = self.fn
+        for n in (3, 2, 1, 0):  # kv_idx innermost, b outermost; the score mapped along with each
+            dims = tuple(0 if d == n else None for d in range(4)) + (None,) * len(self.inputs)
+            self.vmapped = torch.vmap(self.vmapped, in_dims=(0,) * self.score + dims)
+        if trace and self.score and (compiling or untraced) and torch.is_grad_enabled() and self._learned(dtype):
+            raise ValueError(f"score_mod reads a tensor that requires grad, and torch.fx cannot trace it to make "
+                             f"that tensor an input of the attention: {untraced}" if untraced else "under "
+                             "torch.compile, score_mod may read no tensor that requires grad: finding it takes "
                              "torch.fx, which runs outside the compiled graph (torch.compiler.disable the attention)")
-        self.broadcast = not compiling and self._broadcasts(shape, device, dtype)
+        self.broadcast = not compiling and self._broadcasts(shape, dtype)
+        self.bias = self.bias if self.broadcast else None
 
-    def __call__(self, s, rows, cols, B, H, device, inputs, broadcast=None):
-        idx = [torch.arange(r.start, r.stop, device=device) for r in (range(B), range(H), rows, cols)]
-        args = [] if s is None else [s]
+    def indices(self, rows, cols):
+        """The broadcast indices b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, rows, 1), kv_idx (1, 1, 1, cols)."""
+        i, j = (torch.arange(r.start, r.stop, device=self.b.device, dtype=torch.int32) for r in (rows, cols))
+        return self.b.view(-1, 1, 1, 1), self.h.view(1, -1, 1, 1), i.view(1, 1, -1, 1), j.view(1, 1, 1, -1)
+
+    def __call__(self, s, rows, cols, inputs, broadcast=None):
+        args, (b, h, i, j) = [] if s is None else [s], self.indices(rows, cols)
         if self.broadcast if broadcast is None else broadcast:
-            b, h, i, j = (x.view([-1 if d == n else 1 for d in range(4)]) for n, x in enumerate(idx))
             out = self.fn(*args, b, h, i, j, *inputs)
         else:
-            fn = self.fn
-            for n in (3, 2, 1, 0):  # kv_idx innermost, b outermost; the score mapped along with each
-                fn = torch.vmap(fn, in_dims=(0,) * len(args) + tuple(0 if d == n else None for d in range(4))
-                                + (None,) * len(inputs))
-            out = fn(*args, *idx, *inputs)
-        shape = tuple(len(x) for x in idx)
+            out = self.vmapped(*args, self.b, self.h, i.flatten(), j.flatten(), *inputs)
+        shape = (len(self.b), len(self.h), i.numel(), j.numel())
         if not (torch.is_tensor(out) and (out.is_floating_point() if self.score else out.dtype == torch.bool) and
                 out.dim() <= 4 and all(n in (1, m) for n, m in zip(out.shape[::-1], shape[::-1]))):
             raise TypeError(f"{self.name} must return a {'float' if self.score else 'bool'} for each (b, h, q_idx, "
                             f"kv_idx), as torch's FlexAttention: got {getattr(out, 'dtype', out)} "
                             f"{tuple(getattr(out, 'shape', ()))} for {shape}")
-        out = out if out.shape == shape else out.expand(shape)
-        return out.to(s.dtype) if self.score else out
+        if not self.score:
+            return out
+        return (out if out.shape == shape else out.expand(shape)).to(s.dtype)
 
-    def _learned(self, device, dtype):
-        """Whether the mod, on one score, reads a tensor that requires grad: autograd tells, however it read it."""
+    def _learned(self, dtype):
+        """Whether the mod, on one key, reads a tensor that requires grad: autograd tells, however it read it."""
         with torch.enable_grad():
-            s = torch.zeros(1, 1, 1, 1, device=device, dtype=torch.promote_types(dtype, torch.float32))
-            out = self(s, slice(0, 1), slice(0, 1), 1, 1, device, self.inputs, broadcast=False)
-        return out.requires_grad
+            s = torch.zeros(len(self.b), len(self.h), 1, 1, device=self.b.device,
+                            dtype=torch.promote_types(dtype, torch.float32))
+            return self(s, slice(0, 1), slice(0, 1), self.inputs, broadcast=False).requires_grad
 
-    def _broadcasts(self, shape, device, dtype):
+    def _broadcasts(self, shape, dtype):
         """Whether broadcast indices give torch's vmap result, on the first (at most) 4 queries and 5 keys."""
-        (B, H, Lq, Lk), g = shape, torch.Generator().manual_seed(0)
-        rows, cols = slice(0, min(Lq, 4)), slice(0, min(Lk, 5))
-        s = torch.randn(B, H, rows.stop, cols.stop, dtype=torch.promote_types(dtype, torch.float32), generator=g)
-        s = s.to(device) if self.score else None
-        want = self(s, rows, cols, B, H, device, self.inputs, broadcast=False)
+        rows, cols, g = slice(0, min(shape[2], 4)), slice(0, min(shape[3], 5)), torch.Generator().manual_seed(0)
+        s = torch.randn(*shape[:2], rows.stop, cols.stop, dtype=torch.promote_types(dtype, torch.float32),
+                        generator=g).to(self.b.device) if self.score else None
+        want = self(None if s is None else s.clone(), rows, cols, self.inputs, broadcast=False)  # a mod may edit s
         try:
-            got = self(None if s is None else s.clone(), rows, cols, B, H, device, self.inputs, broadcast=True)
+            got = self(None if s is None else s.clone(), rows, cols, self.inputs, broadcast=True)
         except Exception:  # indexing by one index at a time (table[q_idx][kv_idx]), say
             return False
         return bool(((got == want) | (got.isnan() & want.isnan()) if self.score else got == want).all())
+
+
+def _additive(gm):
+    """(f, sign) where the traced score_mod gm is score + sign * f(b, h, q_idx, kv_idx), a bias (ALiBi, a relative
+    table): f, gm's graph cut to what the bias reads, takes gm's arguments and ignores the score; else (None, 0)."""
+    nodes = list(gm.graph.nodes)
+    score, out = nodes[0], nodes[-1].args[0]
+    adds, subs = (operator.add, torch.add, "add", "add_", "__add__", "__radd__"), (operator.sub, torch.sub, "sub", "sub_")
+    if not (isinstance(out, torch.fx.Node) and out.target in adds + subs and len(out.args) == 2 and not out.kwargs
+            and list(score.users) == [out]):  # the score read once, by that sum
+        return None, 0
+    other, sign = (out.args[1], 1 if out.target in adds else -1) if out.args[0] is score else (out.args[0], 1)
+    if out.target in subs and out.args[0] is not score or not isinstance(other, torch.fx.Node):
+        return None, 0
+    graph, copies = torch.fx.Graph(), {}
+    graph.graph_copy(gm.graph, copies)
+    graph.output(copies[other])
+    graph.eliminate_dead_code()
+    return torch.fx.GraphModule(gm, graph), sign
 
 
 class _ReadsAsInputs(torch.fx.Tracer):
