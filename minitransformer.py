@@ -288,7 +288,8 @@ class MultiHeadAttention(nn.Module):
         attn_mask: bool, True where a query may attend, or float, added to the scores, broadcast to (B, nh, T,
         T): key padding is (B, 1, 1, T); or FlexAttention's BlockMask. is_causal: query i sees keys j <= i.
         positions: the (T,) positions of x's rows, for RoPE (default 0 .. T-1, or each document's of
-        cu_seqlens). cache: a causal decoder's KVCache, which reads attn_mask and places the tokens."""
+        cu_seqlens). cache: a causal decoder's KVCache, which reads attn_mask and places the tokens: at
+        positions (B, T), each row's own, if given (an Encoder gives its layers those of its first cache)."""
         _check_mha_call(self, x, attn_mask, is_causal, need_weights, positions, cu_seqlens, cache)
         B, T, C = x.size()
         nh, nkv, hs = self.n_heads, self.n_kv_heads, C // self.n_heads
@@ -296,7 +297,7 @@ class MultiHeadAttention(nn.Module):
         q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
-        if cache is not None:
+        if cache is not None and positions is None:
             positions = cache.positions(T, attn_mask)  # (B, T): each row's own
         elif positions is None and cu_seqlens is not None:
             positions = documents(cu_seqlens, T, x.device)[1]  # restarting in every document
@@ -304,7 +305,7 @@ class MultiHeadAttention(nn.Module):
             q, k = self.rope(q, positions), self.rope(k, positions)
         kw = dict(window_size=self.window_size, cu_seqlens=cu_seqlens, enable_gqa=nkv != nh,
                   alibi_slopes=alibi_slopes(nh, x.device) if self.alibi else None)
-        with _all_or_nothing([cache], T):  # a call that raises leaves the cache as it was
+        with _all_or_nothing([cache]):  # a call that raises leaves the cache as it was
             if cache is not None:  # all its slots, through one mask: causality, window, ALiBi by position
                 slopes = _check_alibi(kw["alibi_slopes"], q)  # (1, nh, 1, 1), in q's precision
                 k, v, attn_mask = cache.update(k, v, positions, attn_mask, self.window_size, slopes)
@@ -342,36 +343,53 @@ class KVCache:
     """A causal decoder's keys and values so far, for one MultiHeadAttention, made once so that a compiled
     step has one shape, one graph and no host read: k, v (B, n_kv_heads, max_len, hs); `length`, the slots
     written in every row; `pos` (B, max_len), where each slot's token sits, counting its row's real tokens
-    (Hugging Face's cumsum(mask) - 1), or max_len: none, after every query. attn_mask: a call's key padding,
-    (B, 1, 1, T) bool, which the cache keeps, or a mask over the max_len slots for that call (T = max_len: key
-    padding). A call that raises leaves the cache as it was on a CPU in eager mode (compiled or on CUDA, a
-    device-side assert may stand in, the cache then unspecified)."""
+    (Hugging Face's cumsum(mask) - 1), or max_len where it holds none (padding, a dropped token, a slot not yet
+    written): after every query, so causality hides it. attn_mask: a call's key padding, (B, 1, 1, T) bool,
+    which the cache keeps, or a mask over the max_len slots for that call (T = max_len: key padding). A call
+    that raises leaves the cache as it was (its length, its positions, and so what any query sees: the keys and
+    values of slots past its length are never read) on a CPU in eager mode; compiled or on CUDA, a device-side
+    assert may stand in, the cache then unspecified."""
 
     def __init__(self, batch_size, n_kv_heads, max_len, head_size, device=None, dtype=None):
         self.k = torch.zeros(batch_size, n_kv_heads, max_len, head_size, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.length = torch.zeros((), dtype=torch.long, device=device)
         self.pos = torch.full((batch_size, max_len), max_len, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # each row's real tokens
+        self.saved = None  # what an ongoing call restores if it raises (_all_or_nothing)
 
     def reset(self):
         self.length.zero_()  # what the slots hold stays, hidden until written again
         self.pos.fill_(self.pos.size(-1))
+        self.tokens.zero_()
 
     def rollback(self, n):
-        """Drop the last n slots: each row's next position goes back by its real tokens among them."""
+        """Drop the last n slots, each row's next position going back by its real tokens among them; or, n a (B,)
+        integer tensor, each row b its own last n[b] tokens, which become padding (batched speculative decoding:
+        every row keeps the drafts it accepted, the next call's tokens continue each row's positions)."""
+        L, (B, _) = self.pos.size(-1), self.pos.shape
+        if torch.is_tensor(n) and n.shape == (B,) and not (n.is_floating_point() or n.dtype == torch.bool):
+            kept = self.tokens - n[:, None].to(self.tokens.device)  # (B, 1): row b's tokens sit at 0 .. tokens - 1
+            _check_range(kept, 0, math.inf, "each row's tokens less the n[b] to drop")
+            self.pos.masked_fill_(self.pos >= kept, L)
+            self.tokens.copy_(kept)
+            return
         if not (type(n) is int and n >= 0):
-            raise ValueError(f"rollback(n) drops n slots, a non-negative int: got {n!r}")
+            raise ValueError(f"rollback(n) drops n slots, a non-negative int, or each row its own, a ({B},) "
+                             f"integer tensor: got {n!r}")
         _check_range(self.length - n, 0, math.inf, f"the slots written less the {n} to drop")
         self.length.sub_(n)
-        L = self.pos.size(-1)
         self.pos.masked_fill_(torch.arange(L, device=self.pos.device) >= self.length, L)  # (B, max_len)
+        self.tokens.copy_((self.pos < L).sum(-1, keepdim=True))
 
     def positions(self, T, attn_mask=None):
         """(B, T): the positions of a call's T tokens, counting the row's real tokens (padding: the last)."""
         L = self.pos.size(-1)  # a named error, before anything is indexed or written:
         _check_range(self.length + T, 0, L + 1, f"KVCache.length after a call of {T} tokens (max_len={L})")
-        real = self._read(attn_mask, T)[0]  # (B or 1, T): the call's real tokens
-        return ((self.pos < L).sum(-1, keepdim=True) + real.cumsum(-1) - 1).clamp(min=0)
+        real = self._read(attn_mask, T)[0]  # (B or 1, T): the call's real tokens, or None: all
+        if real is None:
+            return self.tokens + torch.arange(T, device=self.pos.device)
+        return (self.tokens + real.cumsum(-1) - 1).clamp(min=0)
 
     def update(self, k, v, positions, attn_mask=None, window_size=None, alibi_slopes=None):
         """Write k, v (B, n_kv_heads, T, hs) into the next T slots; return all of k and v, and the mask
@@ -385,10 +403,12 @@ class KVCache:
         slots, L = self.length + torch.arange(T, device=k.device), self.pos.size(-1)  # (T,): the next T
         self.k.index_copy_(2, slots, k)
         self.v.index_copy_(2, slots, v)
-        self.pos.index_copy_(1, slots, positions.masked_fill(~real, L))  # padding: after every query
-        self.length.add_(T)
+        self.pos.index_copy_(1, slots, positions if real is None else positions.masked_fill(~real, L))  # padding:
+        self.length.add_(T)  # after every query
+        self.tokens.add_(T if real is None else real.sum(-1, keepdim=True))
         rules = named_rules(is_causal=True, window_size=window_size, alibi_slopes=alibi_slopes)
-        mask = Visibility(rules, positions=(positions, self.pos), attn_mask=over_slots).dense(T, L, k.device)
+        at = positions[:, None, :, None], self.pos[:, None, None, :]  # (B, 1, T, 1), (B, 1, 1, L)
+        mask = Visibility(rules, positions=at, attn_mask=over_slots).dense(T, L, k.device)
         return self.k, self.v, mask
 
     def _read(self, attn_mask, T):
@@ -399,22 +419,28 @@ class KVCache:
         if attn_mask is not None and (len(shape) != 4 or shape[-1] != L):
             raise ValueError(f"with a KV cache, attn_mask is a call's key padding, bool ({B}, 1, 1, {T}), or "
                              f"a mask over its max_len={L} slots, (.., {L}); got {attn_mask.dtype} {shape}")
-        return self.pos.new_ones(1, T, dtype=torch.bool), attn_mask
+        return None, attn_mask
 
 
 @contextlib.contextmanager
-def _all_or_nothing(caches, T):
-    """If the with-block raises, every KVCache of caches (None: none) is left as it was: its length and the
-    keys, values and positions of the T slots it may write (clamped to max_len). Not under torch.compile."""
-    caches = [] if torch.compiler.is_compiling() else [c for c in caches if c is not None]
-    slots = [(c.length + torch.arange(T, device=c.k.device)).clamp(max=c.pos.size(-1) - 1) for c in caches]
-    saved = [(c, s, c.length.clone(), c.k[:, :, s], c.v[:, :, s], c.pos[:, s]) for c, s in zip(caches, slots)]
+def _all_or_nothing(caches):
+    """If the with-block raises, every KVCache of caches (None: none) is left as it was: its length and
+    positions (a call writes slots past its length only, never read once the length is back); saved once, by
+    the outermost block (the Encoder's, then not each layer's). Not under torch.compile."""
+    caches = [] if torch.compiler.is_compiling() else [c for c in caches if c is not None and c.saved is None]
+    for c in caches:
+        c.saved = c.length.clone()
     try:
         yield
     except BaseException:
-        for c, slots, length, k, v, pos in saved:
-            c.length[()], c.k[:, :, slots], c.v[:, :, slots], c.pos[:, slots] = length, k, v, pos
+        for c in caches:  # back to its length: the slots past it hold no token (a call writes only those)
+            c.length.copy_(c.saved)
+            c.pos.masked_fill_(torch.arange(c.pos.size(-1), device=c.pos.device) >= c.length, c.pos.size(-1))
+            c.tokens.copy_((c.pos < c.pos.size(-1)).sum(-1, keepdim=True))
         raise
+    finally:
+        for c in caches:
+            c.saved = None
 
 
 # -----------------------------------------------------------------------------
@@ -654,13 +680,15 @@ class Encoder(nn.Module):
         sequence (ring_attention.ShardedEncoder). cu_seqlens: documents packed in every row (documents()),
         each encoded as if alone. cache: a KVCache per layer (kv_caches()), for a causal decoder (see
         KVCache)."""
-        _check_caches(self, idx, cache)
+        _check_caches(self, idx, cache, positions)
         if (positions is None) and (cu_seqlens is not None) and (self.config.pos_encoding != "alibi"):
             positions = documents(cu_seqlens, idx.size(1), idx.device)[1]  # (T,): ALiBi reads the documents
         caches = [None] * len(self.layers) if cache is None else cache
-        with _all_or_nothing(caches, idx.size(1)):  # a call that raises leaves every cache as it was
-            x = self._embed(idx, positions if (cache is None) else cache[0].positions(idx.size(1), attn_mask))
-            for layer, layer_cache in zip(self.layers, caches):  # each layer's cache places its tokens
+        with _all_or_nothing(caches):  # a call that raises leaves every cache as it was
+            if cache is not None:  # (B, T): each row's own, the same in every layer's cache (_check_caches)
+                positions = cache[0].positions(idx.size(1), attn_mask)
+            x = self._embed(idx, positions)
+            for layer, layer_cache in zip(self.layers, caches):
                 x = layer(x, attn_mask, is_causal, positions, cu_seqlens, layer_cache)
         return self.norm(x)
 
@@ -1267,7 +1295,7 @@ class Visibility:
     """A call's variants composed, asked about blocks of queries `rows` and keys `cols` (slices): its rules, its
     attn_mask (bool, or a float bias; the one variant given as data, read by slicing) and a user's mods (_Mods,
     flex_attention). Query row r sits at position r + shift (0: top-left, Lk - Lq: bottom-right) and key c at c;
-    or, given positions = (queries' (B, Lq), keys' (B, Lk)), every row at its own (a KVCache's)."""
+    or, given positions = (queries' (B, 1, Lq, 1), keys' (B, 1, 1, Lk)), every row at its own (a KVCache's)."""
     rules: list
     shift: int = 0
     positions: Optional[tuple] = None
@@ -1346,7 +1374,7 @@ class Visibility:
     def _positions(self, rows, cols, device):
         """(i, j): the positions of the queries `rows`, (rows, 1) or (B, 1, rows, 1), and of the keys `cols`."""
         if self.positions is not None:  # each row's own: (B, 1, rows, 1) and (B, 1, 1, cols)
-            return self.positions[0][:, None, rows, None], self.positions[1][:, None, None, cols]
+            return self.positions[0][..., rows, :], self.positions[1][..., cols]
         i = torch.arange(rows.start + self.shift, rows.stop + self.shift, device=device)[:, None]
         return i, torch.arange(cols.start, cols.stop, device=device)[None, :]
 
@@ -2361,11 +2389,16 @@ def _check_mha_call(mha, x, attn_mask, is_causal, need_weights, positions, cu_se
         _check_window(mha.window_size)  # the cache's mask takes it, not a path that would check it
         if (attn_mask is not None) and (cache._read(attn_mask, x.size(1))[1] is not None):  # over the slots
             _check_mask(attn_mask, x, (x.size(0), mha.n_heads, x.size(1), cache.pos.size(-1)))
-    if positions is not None:
+    if positions is not None and cache is not None:  # each row's own, where its tokens sit among the slots'
+        if positions.shape != x.shape[:2]:
+            raise ValueError(f"with a KV cache, positions are each row's own, ({len(x)}, {x.size(1)}): got "
+                             f"{tuple(positions.shape)}")
+        if cache.saved is None:  # else an Encoder's call, which gives every layer its first cache's, checked
+            _check_range(positions, 0, cache.pos.size(-1), "positions with a KV cache (its max_len)")
+    elif positions is not None:
         _check_positions(positions, x.size(1))
-        if mha.alibi or cache is not None:
-            raise ValueError("positions= with ALiBi or a KV cache: ALiBi's bias is -slope * |i - j| for the "
-                             "tokens' places, and a cache places each row's tokens itself (KVCache)")
+        if mha.alibi:
+            raise ValueError("positions= with ALiBi: its bias is -slope * |i - j| for the tokens' places")
     if need_weights and callable(mha.impl):
         raise ValueError("need_weights computes the weights by naive attention on this module's own q, k, v: "
                          "not with an attention function as impl (a ring sees a shard only)")
@@ -2374,11 +2407,27 @@ def _check_mha_call(mha, x, attn_mask, is_causal, need_weights, positions, cu_se
                          "need_weights (the naive path) or a KV cache, whose q_idx and kv_idx would be slots")
 
 
-def _check_caches(enc, idx, cache):  # one KVCache a layer, each of idx's rows (else positions broadcast)
-    distinct, rows = len({id(c) for c in cache or ()}), {c.k.size(0) for c in cache or ()}
-    if cache is not None and (len(cache) != len(enc.layers) or distinct != len(cache) or rows != {len(idx)}):
-        raise ValueError(f"cache holds {len(cache)} KVCaches, {distinct} of them distinct, of {rows} rows, "
-                         f"for {len(enc.layers)} layers and {len(idx)} rows of idx: one of its own a layer")
+def _check_caches(enc, idx, cache, positions):
+    """One KVCache a layer, each of idx's rows (else positions broadcast), one max_len, one length and the same
+    tokens in each row (so that the first cache's positions serve every layer); no positions: the caches place
+    the tokens."""
+    if cache is None:
+        return
+    if positions is not None:
+        raise ValueError("positions= with a KV cache: the caches place each row's tokens (KVCache)")
+    distinct, rows, max_len = len({id(c) for c in cache}), {c.k.size(0) for c in cache}, {c.pos.size(-1) for c in cache}
+    if len(cache) != len(enc.layers) or distinct != len(cache) or rows != {len(idx)} or len(max_len) != 1:
+        raise ValueError(f"cache holds {len(cache)} KVCaches, {distinct} of them distinct, of {rows} rows and "
+                         f"max_len {max_len}, for {len(enc.layers)} layers and {len(idx)} rows of idx: one of its "
+                         "own a layer, all of one max_len (kv_caches())")
+    if cache[0].pos.is_cpu and not torch.compiler.is_compiling():  # read on the host: no device to wait for
+        seen = [(_host_value(c.length), _host_value(c.tokens.flatten())) for c in cache]
+        if any(layer != seen[0] for layer in seen):
+            raise ValueError(f"every layer's KVCache must hold as many slots and tokens (each row's) as the "
+                             f"first layer's: got {seen}")
+        return
+    state = torch.cat([torch.stack([c.length for c in cache])[:, None], torch.cat([c.tokens.T for c in cache])], 1)
+    torch._assert_async((state == state[0]).all(), "every layer's KVCache must hold as many slots and tokens")
 
 
 def _check_block_mask(block_mask, q, k):

@@ -1433,7 +1433,7 @@ def test_alibi_encoder_paths_agree_and_documents_are_encoded_alone(impl):
     alone = torch.cat([models[impl](idx[:, a:b]) for a, b in zip(cu, cu[1:]) if b > a], dim=1)
     torch.testing.assert_close(models[impl](idx, cu_seqlens=torch.tensor(cu)), alone, atol=1e-10, rtol=1e-10)
     assert not any("alibi" in name for name, _ in models[impl].named_buffers())  # no copy for .half() to round
-    with pytest.raises(ValueError, match="positions= with ALiBi or a KV cache"):
+    with pytest.raises(ValueError, match="positions= with ALiBi"):
         models[impl](idx, positions=torch.arange(31))
     with pytest.raises(ValueError, match="no ALiBi"):
         ring.ShardedEncoder(models[impl])
@@ -1612,7 +1612,7 @@ def test_decoder_inputs_are_refused_by_name():
     mha = mt.MultiHeadAttention(64, 2, alibi=True)
     cache = mt.KVCache(1, 2, 8, 32)
     with torch.no_grad():
-        with pytest.raises(ValueError, match="positions= with ALiBi or a KV cache"):
+        with pytest.raises(ValueError, match="positions= with ALiBi"):
             mha(torch.randn(1, 3, 64), positions=torch.arange(3))  # ALiBi's bias takes none
         with pytest.raises(ValueError, match="a KV cache serves a causal decoder .*is_causal=False"):
             mha(torch.randn(1, 3, 64), cache=cache)
@@ -1747,8 +1747,10 @@ def test_a_kv_cache_takes_masks_over_its_slots_and_refuses_before_writing(impl):
             mha(x[:, :1], torch.nn.attention.bias.causal_lower_right(1, L), cache=cache)
         with pytest.raises(ValueError, match="a KV cache serves a causal decoder .*cu_seqlens=True"):
             mha(x[:, :2], is_causal=True, cu_seqlens=torch.tensor([0, 1, 2]), cache=cache)
-        with pytest.raises(ValueError, match="positions= with ALiBi or a KV cache"):
-            mha(x[:, :1], is_causal=True, positions=torch.arange(1), cache=cache)  # RoPE's would be the cache's
+        with pytest.raises(ValueError, match=r"with a KV cache, positions are each row's own, \(2, 1\): got \(1,\)"):
+            mha(x[:, :1], is_causal=True, positions=torch.arange(1), cache=cache)  # each row's own
+        with pytest.raises(ValueError, match=r"positions with a KV cache \(its max_len\) must lie in \[0, 12\)"):
+            mha(x[:, :1], is_causal=True, positions=torch.tensor([[3], [12]]), cache=cache)
         mha.impl = lambda *args, **kw: mt.attention(*args, **kw)
         with pytest.raises(ValueError, match="need_weights computes the weights by naive attention"):
             mha(x[:, :1], is_causal=True, need_weights=True, cache=cache)
@@ -1756,14 +1758,26 @@ def test_a_kv_cache_takes_masks_over_its_slots_and_refuses_before_writing(impl):
             assert torch.equal(before, after)
 
 
-def test_the_encoder_refuses_one_cache_for_two_layers():
+def test_the_encoder_refuses_caches_that_disagree_across_layers():
+    # one cache for two layers, too few, caches of another batch or max_len, and (after a prefill of 6 tokens) a
+    # rollback of one layer's cache alone: each refused by name, every cache left as it was
     cfg = mt.EncoderConfig(vocab_size=20, max_len=8, d_model=64, n_heads=2, n_layers=2, d_ff=32)
     enc = mt.Encoder(cfg).eval()
-    cache = enc.kv_caches(1)
-    with torch.no_grad(), pytest.raises(ValueError, match=r"cache holds 2 KVCaches, 1 of them distinct, of \{1\} rows, for 2 layers"):
-        enc(torch.zeros(1, 1, dtype=torch.long), is_causal=True, cache=[cache[0], cache[0]])
-    with torch.no_grad(), pytest.raises(ValueError, match=r"cache holds 1 KVCaches, 1 of them distinct, of \{1\} rows, for 2 layers"):
-        enc(torch.zeros(1, 1, dtype=torch.long), is_causal=True, cache=cache[:1])
+    token = torch.ones(1, 1, dtype=torch.long)
+    with torch.no_grad():
+        cache = enc.kv_caches(1)
+        enc(torch.ones(1, 6, dtype=torch.long), is_causal=True, cache=cache)
+        cache[0].rollback(2)
+        before = cache_state(cache)
+        for caches, message in (([cache[0], cache[0]], r"2 KVCaches, 1 of them distinct"),
+                                (cache[:1], r"1 KVCaches, 1 of them distinct, .* for 2 layers"),
+                                ([cache[0], enc.kv_caches(2)[1]], r"of \{1, 2\} rows"),
+                                ([cache[0], mt.KVCache(1, 2, 9, 32)], r"max_len \{8, 9\}"),
+                                (cache, r"every layer's KVCache must hold as many slots and tokens \(each row's\) as the "
+                                        r"first layer's: got \[\(4, \[4\]\), \(6, \[6\]\)\]")):
+            with pytest.raises(ValueError, match=message):
+                enc(token, is_causal=True, cache=caches)
+        assert_caches_unchanged(cache, before)
 
 
 @pytest.mark.parametrize("impl", mt.IMPLS)
@@ -1880,8 +1894,12 @@ def cache_state(caches):
 
 
 def assert_caches_unchanged(caches, before):
+    """Each cache's length and positions, and the keys and values of its written slots (those past its length
+    are never read), as before."""
     for layer, (c, state) in enumerate(zip(caches, before)):
-        for name, now, then in zip(("k", "v", "length", "pos"), (c.k, c.v, c.length, c.pos), state):
+        written = slice(0, int(state[2]))
+        for name, now, then in zip(("k", "v", "length", "pos"), (c.k[:, :, written], c.v[:, :, written], c.length,
+                                                                  c.pos), (state[0][:, :, written], state[1][:, :, written], *state[2:])):
             assert torch.equal(now, then), f"layer {layer}'s {name} changed"
 
 
@@ -1908,13 +1926,13 @@ def test_every_refused_call_leaves_the_caches_as_they_were():
             "cu_seqlens": (lambda: enc(step, is_causal=True, cu_seqlens=torch.tensor([0, 1]), cache=caches),
                            "no cu_seqlens or CausalBias"),
             "positions=": (lambda: enc(step, is_causal=True, positions=torch.tensor([6]), cache=caches),
-                           "a cache places each row's tokens itself"),
+                           "the caches place each row's tokens"),
             "a mask of neither reading": (lambda: enc(step, torch.ones(2, 1, 1, 3, dtype=torch.bool), is_causal=True,
                                                       cache=caches), "key padding, bool \\(2, 1, 1, 1\\), or a mask"),
             "a 1-D mask over the slots": (lambda: enc(step, torch.ones(12, dtype=torch.bool), is_causal=True,
                                                       cache=caches), "or a mask over its max_len=12 slots"),
             "a batch of another size": (lambda: enc(step[:1], is_causal=True, cache=caches),
-                                        r"cache holds 2 KVCaches, 2 of them distinct, of \{2\} rows, for 2 layers and 1"),
+                                        r"cache holds 2 KVCaches, 2 of them distinct, of \{2\} rows and max_len \{12\}, for 2 layers and 1"),
             "past max_len": (lambda: enc(torch.ones(2, 7, dtype=torch.long), is_causal=True, cache=caches),
                              r"KVCache.length after a call of 7 tokens \(max_len=12\) must lie in \[0, 13\), got "
                              r"min 13 max 13"),
@@ -1932,8 +1950,11 @@ def test_every_refused_call_leaves_the_caches_as_they_were():
         refusals["strided attention, refusing"] = (
             lambda: setattr(enc.layers[1].self_attn, "impl", lambda *a, **kw: strided(*a, **kw)) or enc(
                 step, is_causal=True, cache=caches), "StridedAttention takes")
+        other = mt.KVCache(2, 2, 12, 8)  # float32, of the others' length and tokens
+        other.length.copy_(caches[0].length)
+        other.tokens.copy_(caches[0].tokens)
         refusals["a cache of another dtype, in the last layer"] = (
-            lambda: enc(step, is_causal=True, cache=[caches[0], mt.KVCache(2, 2, 12, 8)]), "takes its \\(B, H_kv\\) and dtype")
+            lambda: enc(step, is_causal=True, cache=[caches[0], other]), "takes its \\(B, H_kv\\) and dtype")
         for what, (call, message) in refusals.items():
             with pytest.raises((ValueError, RuntimeError, TypeError), match=message):
                 call()
@@ -1970,6 +1991,56 @@ def test_positions_past_a_shorter_table_are_refused_by_name():
         assert_caches_unchanged(caches, before)
 
 
+@pytest.mark.parametrize("impl", mt.IMPLS)
+@pytest.mark.parametrize("encoding", ["rope", "alibi", "learned"])
+def test_batched_speculative_decoding_gives_each_row_as_decoded_alone(impl, encoding):
+    # padded prompts of 3, 6 and 4 tokens (left and right), 4 draft tokens a row in one call, each row verifying its
+    # own (the drafts its greedy choices would have made: 1, all 4, none), rollback(n) with each row's n, then 3
+    # greedy steps: every row's hidden states and tokens those of the row decoded alone, one token at a time
+    # (float64, 1e-10; 2 of 4 K/V heads). Positions counted over the slots, or the dropped drafts still seen, fail it
+    enc = decoder(impl, encoding)
+    head = torch.randn(32, 20, generator=torch.Generator().manual_seed(3), dtype=torch.float64)  # greedy's logits
+    greedy = lambda h: (h[:, -1:] @ head).argmax(-1)  # noqa: E731  (B, 1): the next token of each row
+    for side in ("left", "right"):
+        prompts, keep, _, alone = padded_batch([3, 6, 4], 6, 0, side)
+        with torch.no_grad():
+            want_tokens, want_states = [], []
+            for seq in alone:  # each row alone, greedily, one token at a time: 1 + 4 + 3 tokens
+                caches, h = enc.kv_caches(1), []
+                h.append(enc(seq, is_causal=True, cache=caches))
+                tokens = [greedy(h[-1])]
+                for _ in range(7):
+                    h.append(enc(tokens[-1], is_causal=True, cache=caches))
+                    tokens.append(greedy(h[-1]))
+                want_tokens.append(torch.cat(tokens, 1))
+                want_states.append(torch.cat(h[1:], 1))
+            want_tokens = torch.cat(want_tokens)  # (B, 8): the first is the prompt's
+            caches = enc.kv_caches(3)
+            h = enc(prompts, attn_mask=keep, is_causal=True, cache=caches)
+            last = keep[:, 0, 0].long().cumsum(-1).argmax(-1)  # each row's last real token
+            first = greedy(h[torch.arange(3), last][:, None])
+            accepted = torch.tensor([1, 4, 0])
+            drafts = want_tokens[:, 1:5].clone()  # each row's greedy choices: the first `accepted` right, then wrong
+            for b, a in enumerate(accepted.tolist()):
+                drafts[b, a:] = (drafts[b, a:] + 1) % 20
+            h = enc(torch.cat([first, drafts[:, :-1]], 1), is_causal=True, cache=caches)  # verify: 4 at once
+            choices = (h @ head).argmax(-1)  # (B, 4): what each row would pick after each of its tokens
+            agree = (choices[:, :-1] == drafts[:, :-1]).long().cumprod(-1).sum(-1)  # the drafts it accepts
+            assert agree.tolist() == [1, 3, 0], agree  # (the last draft is never fed: its check is the next step)
+            for b in range(3):
+                torch.testing.assert_close(h[b, :agree[b] + 1], want_states[b][0, :agree[b] + 1], atol=1e-10, rtol=0)
+            for c in caches:
+                c.rollback(3 - agree)  # each row keeps `first` and its accepted drafts
+            token = choices.gather(1, agree[:, None])  # the first choice after the last accepted token
+            for step in range(3):
+                h = enc(token, is_causal=True, cache=caches)
+                for b in range(3):
+                    n = agree[b] + 1 + step  # the row's tokens after its prompt so far
+                    assert token[b, 0] == want_tokens[b, n]
+                    torch.testing.assert_close(h[b, 0], want_states[b][0, n], atol=1e-10, rtol=0)
+                token = greedy(h)
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_rolling_back_drops_each_row_own_tokens(side):
     # speculative decoding: after a padded prefill, decode 5 draft tokens, drop the last 3 from every cache and decode
@@ -2002,8 +2073,11 @@ def test_rolling_back_drops_each_row_own_tokens(side):
         with pytest.raises(ValueError, match=r"the slots written less the 5 to drop must lie in \[0, inf\), got "
                                              r"min -1 max -1"):
             caches[0].rollback(5)
-        with pytest.raises(ValueError, match=r"rollback\(n\) drops n slots, a non-negative int: got -1"):
+        with pytest.raises(ValueError, match=r"rollback\(n\) drops n slots, a non-negative int, or each row its own, "
+                                             r"a \(2,\) integer tensor: got -1"):
             caches[0].rollback(-1)
+        with pytest.raises(ValueError, match=r"each row's tokens less the n\[b\] to drop must lie in \[0, inf\)"):
+            caches[0].rollback(torch.tensor([0, 9]))
         assert_caches_unchanged(caches, before)
 
 
