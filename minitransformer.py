@@ -2,41 +2,31 @@
 minitransformer: a Transformer encoder in one file, read top-down like a short paper.
 
 1. The core, between "core begins" and "core ends": standard attention and FlashAttention-2's
-   blockwise attention, forward and backward, in their plainest correct form. It needs only
-   `import math` and `import torch`: copy it into your own file.
+   blockwise attention, forward and backward, in their plainest correct form, with only math and torch.
 2. The model: multi-head attention, positional encodings, the encoder layer, the config and the
    encoder; then training on a task that needs attention (mixed precision, checkpoints, DDP), and
    the command line.
-3. The appendix: the hardened paths that the model's attention runs through (attention(), impl=),
-   each tested equal to the core. Hardened: the same maths with everything real use asks for (masks,
-   windows, packed documents, ALiBi, dropout, 16-bit dtypes, torch.compile, input checks). naive: the
-   textbook formula with every convention of PyTorch's F.scaled_dot_product_attention; chunked: the
-   blockwise algorithm with FlashAttention-2's precision recipe, as one custom operator (torch.library)
-   that torch.compile sees as a single call; flash: PyTorch's fused kernels, which it asks which kernel
-   runs, warning (or raising) before SDPA would fall back to its slow unfused math kernel, except under
-   torch.compile and where torch cannot tell (MPS, XPU). The input checks come last.
+3. The appendix: the hardened paths that the model's attention runs through (attention(), impl=), each
+   tested equal to the core: the same maths with everything real use asks for (masks, windows, packed
+   documents, ALiBi, a user's FlexAttention mods, dropout, 16-bit dtypes, torch.compile). naive: the
+   textbook formula with the conventions of PyTorch's F.scaled_dot_product_attention; chunked: the
+   blockwise algorithm with FlashAttention-2's precision recipe, one custom operator for torch.compile;
+   flash: PyTorch's fused kernels, warning (or raising) before SDPA would fall back to its math kernel.
+   Every variant is a small rule that all three read (Visibility). The input checks come last.
 ring_attention.py continues the chunked path across devices; approximate_attention.py holds the
 tutorials' approximate ways out; study.py measures what each path costs, and cost_model.py predicts it.
 
 Where each idea of a Transformer tutorial lives, in the order of the file:
-    scaled dot-product attention        standard_attention (core); naive_attention
-    O(n^2) memory of the scores         standard_attention; measured by study.py, predicted by cost_model.py
-    chunked computation, FlashAttention blockwise_attention (core: the algorithm); chunked_attention;
-                                        flash_attention (PyTorch's kernels)
-    multi-head attention                MultiHeadAttention (d_model % n_heads checked, head size < 32 warned)
-    positional encodings                SinusoidalPositionalEncoding, LearnedPositionalEncoding,
-                                        RotaryEmbedding; relative: alibi_slopes (alibi_slopes= of naive,
-                                        chunked and flash; the ring refuses it)
-    encoder layer: residuals, LayerNorm EncoderLayer (post-LN as in the paper, or pre-LN), Encoder
-    attention heatmaps                  Encoder.attention_weights, save_heatmap
-    decoding: KV cache, grouped heads   KVCache (batched prompts, rollback), Encoder.kv_caches, n_kv_heads
-    mixed precision                     _train (autocast), optimizer_step (GradScaler): --amp bf16 or fp16
-    gradient clipping                   optimizer_step: the gradients unscaled first, then clipped
-    learning-rate warm-up               lr_factor: linear warm-up, then cosine decay
-    label smoothing                     TrainConfig.label_smoothing (0.1, as in the paper)
-    local and sparse attention          window_size= of every hardened path; any pattern as a bool attn_mask;
-                                        approximate_attention.py: strided, linear, low-rank, compressed
-    your own variant: FlexAttention     flex_attention (score_mod, mask_mod), create_block_mask, score_mod=
+    scaled dot-product attention, O(n^2)  standard_attention (core); naive_attention
+    chunked computation, FlashAttention   blockwise_attention (core); chunked_attention; flash_attention
+    multi-head attention, grouped heads   MultiHeadAttention (n_kv_heads)
+    positional encodings                  SinusoidalPositionalEncoding, LearnedPositionalEncoding,
+                                          RotaryEmbedding, alibi_slopes
+    encoder layer, residuals, LayerNorm   EncoderLayer (post-LN as in the paper, or pre-LN), Encoder
+    decoding: a KV cache                  KVCache (padded prompts, rollback), Encoder.kv_caches
+    mixed precision, gradient clipping    _train (autocast), optimizer_step (GradScaler, unscale, clip)
+    warm-up, label smoothing              lr_factor, TrainConfig.label_smoothing
+    local, packed and your own variants   window_size=, cu_seqlens=, flex_attention (score_mod, mask_mod)
 
 References:
 1) Vaswani et al. 2017, "Attention Is All You Need": https://arxiv.org/abs/1706.03762
@@ -75,38 +65,28 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 from torch.nn.attention.flex_attention import AuxOutput, BlockMask
 
 # core begins
-# Attention in its plainest correct form, forward and backward. Conventions are those of PyTorch's
-# F.scaled_dot_product_attention: q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv),
-# with any leading dimensions, the same number in q, k and v (D: the tutorials' d_k; H_kv = H, or a divisor of
-# H for grouped-query attention, query head h reading K/V head h // (H / H_kv)); attn_mask is bool, True where
-# a query may attend to a key, broadcast to (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk)); is_causal lets query
-# i see keys j <= i, with attn_mask, aligned top-left as SDPA's (a KV cache's bottom-right: the hardened
-# paths). A query that may see no key gets 0. float32 or float64: 16 bits and autocast are refused by name.
+# Attention in its plainest correct form, forward and backward, with SDPA's conventions: q (B, H, Lq, D), k
+# (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv), or any leading dimensions, as many in q, k and v
+# (D: the tutorials' d_k; H_kv: H, or a divisor of H, query head h reading K/V head h // (H / H_kv)); a bool
+# attn_mask, True where a query may attend, broadcast to (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk));
+# is_causal: query i sees keys j <= i, top-left as SDPA's (bottom-right, a KV cache's: the hardened paths).
+# A query that sees no key gets 0. float32 or float64 only.
 
 
 def standard_attention(q, k, v, attn_mask=None, is_causal=False):
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(D) + M) V,  M = 0 where a query may see a key, else -inf.
 
-    The scores exist whole: B * H * Lq * Lk numbers, the memory that blockwise_attention saves.
-    """
-    q5, k5, v5, keep = _grouped(q, k, v, attn_mask)  # heads as (H_kv, G): G query heads read one K/V head
-    s = _block_scores(q5, k5, keep, is_causal, slice(0, q.size(-2)), slice(0, k.size(-2)))  # (.., Lq, Lk)
+    The scores exist whole: B * H * Lq * Lk numbers, the memory that blockwise_attention saves."""
+    k, v = _repeat_kv(q, k, v, attn_mask)  # (B, H, Lk, D): the K/V head of every query head
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # S = Q K^T / sqrt(D), (B, H, Lq, Lk)
+    if is_causal:  # query i sees the keys j <= i
+        later = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)  # (Lq, Lk): j > i
+        s = s.masked_fill(later, -math.inf)
+    if attn_mask is not None:  # M = -inf, not -1e9: a query that sees no key would then average V
+        s = s.masked_fill(attn_mask.logical_not(), -math.inf)
     p = torch.softmax(s, dim=-1)
     p = p.masked_fill(torch.isneginf(s).all(-1, keepdim=True), 0.0)  # no key visible: 0, not softmax's NaN
-    return (p @ v5).reshape(*q.shape[:-1], v.size(-1))  # (B, H_kv, G, Lq, Dv) -> (B, H, Lq, Dv)
-
-
-def _block_scores(q, k, keep, is_causal, rows, cols):
-    """S = Q K^T / sqrt(D) + M for the queries `rows` and keys `cols` (two slices), (.., rows, cols): M = 0
-    where a query may see a key, -inf where it may not (keep: the attn_mask as a view of q's (.., Lq, Lk), or
-    None). Not -1e9: a query that sees no key would then average V."""
-    s = q[..., rows, :] @ k[..., cols, :].transpose(-2, -1) / math.sqrt(q.size(-1))
-    mask = None if keep is None else keep[..., rows, cols]
-    if is_causal:
-        i = torch.arange(rows.start, rows.stop, device=q.device)[:, None]  # (rows, 1)
-        j = torch.arange(cols.start, cols.stop, device=q.device)[None, :]  # (1, cols)
-        mask = j <= i if mask is None else mask & (j <= i)
-    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+    return p @ v  # (B, H, Lq, Dv)
 
 
 class BlockwiseAttention(torch.autograd.Function):
@@ -129,17 +109,16 @@ class BlockwiseAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, keep, is_causal, block_size):
-        *batch, Lq, _ = q.shape  # batch: (B, H_kv, G), as _grouped lays the heads out
-        Lk = k.size(-2)
-        out = q.new_empty(*batch, Lq, v.size(-1))
-        lse = q.new_empty(*batch, Lq, 1)
+    def forward(ctx, q, k, v, attn_mask, is_causal, block_size):
+        Lq, Lk = q.size(-2), k.size(-2)
+        out = q.new_empty(*q.shape[:-1], v.size(-1))  # (B, H, Lq, Dv)
+        lse = q.new_empty(*q.shape[:-1], 1)  # (B, H, Lq, 1)
         for rows in _blocks(Lq, block_size):
-            m = q.new_full((*batch, rows.stop - rows.start, 1), float("-inf"))
+            m = q.new_full((*q.shape[:-2], rows.stop - rows.start, 1), float("-inf"))
             l = torch.zeros_like(m)
-            o = q.new_zeros(*batch, rows.stop - rows.start, v.size(-1))
+            o = q.new_zeros(*q.shape[:-2], rows.stop - rows.start, v.size(-1))
             for cols in _blocks(min(Lk, rows.stop) if is_causal else Lk, block_size):  # causal: j < rows.stop
-                s = _block_scores(q, k, keep, is_causal, rows, cols)  # (B, H_kv, G, rows, cols)
+                s = _block_scores(q, k, attn_mask, is_causal, rows, cols)  # (B, H, rows, cols)
                 m_new = torch.maximum(m, s.amax(-1, keepdim=True))
                 m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # no key seen yet: exp(-inf), no NaN
                 p = torch.exp(s - m_safe)  # P~
@@ -149,27 +128,27 @@ class BlockwiseAttention(torch.autograd.Function):
                 m = m_new
             out[..., rows, :] = o / l.masked_fill(l == 0, 1.0)  # a query that saw no key: o = 0, so 0
             lse[..., rows, :] = (m + torch.log(l)).masked_fill(l == 0, float("inf"))  # P = exp(S - inf) = 0
-        ctx.save_for_backward(q, k, v, out, lse, keep)
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask)
         ctx.is_causal, ctx.block_size = is_causal, block_size
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # the backward is not itself differentiated
     def backward(ctx, dout):
-        q, k, v, out, lse, keep = ctx.saved_tensors
+        q, k, v, out, lse, attn_mask = ctx.saved_tensors
         size, scale = ctx.block_size, 1.0 / math.sqrt(q.size(-1))
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        delta = (dout * out).sum(-1, keepdim=True)  # Delta = rowsum(dO * O), (B, H_kv, G, Lq, 1)
+        delta = (dout * out).sum(-1, keepdim=True)  # Delta = rowsum(dO * O), (B, H, Lq, 1)
         for cols in _blocks(k.size(-2), size):  # keys outside, as in Algorithm 2: dK_j, dV_j summed in place
             first = cols.start // size if ctx.is_causal else 0  # causal: the first query block to reach cols
             for rows in _blocks(q.size(-2), size)[first:]:  # (query and key blocks have one size)
-                p = torch.exp(_block_scores(q, k, keep, ctx.is_causal, rows, cols) - lse[..., rows, :])  # P
-                dv_j, dk_j = dv[..., cols, :], dk[..., cols, :]  # views, added to in place
-                dv_j += (p.transpose(-2, -1) @ dout[..., rows, :]).sum_to_size(dv_j.shape)  # summed over G
+                s = _block_scores(q, k, attn_mask, ctx.is_causal, rows, cols)
+                p = torch.exp(s - lse[..., rows, :])  # P
+                dv[..., cols, :] += p.transpose(-2, -1) @ dout[..., rows, :]
                 dp = dout[..., rows, :] @ v[..., cols, :].transpose(-2, -1)
                 ds = p * (dp - delta[..., rows, :])
                 dq[..., rows, :] += ds @ k[..., cols, :] * scale
-                dk_j += (ds.transpose(-2, -1) @ q[..., rows, :] * scale).sum_to_size(dk_j.shape)
+                dk[..., cols, :] += ds.transpose(-2, -1) @ q[..., rows, :] * scale
         return dq, dk, dv, None, None, None
 
 
@@ -177,14 +156,27 @@ def blockwise_attention(q, k, v, attn_mask=None, is_causal=False, block_size=64)
     """standard_attention's result by BlockwiseAttention, in blocks of block_size queries and keys."""
     if block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size}")
-    out = BlockwiseAttention.apply(*_grouped(q, k, v, attn_mask), is_causal, block_size)
-    return out.reshape(*q.shape[:-1], v.size(-1))  # (B, H_kv, G, Lq, Dv) -> (B, H, Lq, Dv)
+    k, v = _repeat_kv(q, k, v, attn_mask)
+    keep = None if attn_mask is None else attn_mask.expand(*q.shape[:-1], k.size(-2))  # a (B, H, Lq, Lk) view
+    return BlockwiseAttention.apply(q, k, v, keep, is_causal, block_size)
 
 
-def _grouped(q, k, v, attn_mask):
-    """q (.., H, Lq, D) as (.., H_kv, G, Lq, D), k and v (.., H_kv, Lk, D) as (.., H_kv, 1, Lk, D): a K/V head
-    broadcasts over the G = H / H_kv query heads that read it; attn_mask as a bool view of those scores.
-    Refused: 16 bits and autocast (their sums are far off), a K/V of another rank (broadcast across batch)."""
+def _block_scores(q, k, keep, is_causal, rows, cols):
+    """S = Q K^T / sqrt(D) + M for the queries `rows` and keys `cols` (two slices), (B, H, rows, cols):
+    M = -inf where keep (the attn_mask, (B, H, Lq, Lk)) or causality hides a key, else 0."""
+    s = q[..., rows, :] @ k[..., cols, :].transpose(-2, -1) / math.sqrt(q.size(-1))
+    mask = None if keep is None else keep[..., rows, cols]
+    if is_causal:
+        i = torch.arange(rows.start, rows.stop, device=q.device)[:, None]  # (rows, 1)
+        j = torch.arange(cols.start, cols.stop, device=q.device)[None, :]  # (1, cols)
+        mask = j <= i if mask is None else mask & (j <= i)
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+
+def _repeat_kv(q, k, v, attn_mask):
+    """k and v with a head for every query head h, K/V head h // G (grouped-query attention, G = H / H_kv, on
+    the head axis of (B, H, L, D) only). Refused: 16 bits and autocast (their sums are far off), a float
+    attn_mask, a K/V of another rank (it would broadcast across the batch)."""
     autocast = torch.is_autocast_enabled(q.device.type)
     if q.dtype not in (torch.float32, torch.float64) or autocast:
         raise TypeError(f"the core computes in float32 or float64 outside autocast, got {q.dtype}"
@@ -194,10 +186,8 @@ def _grouped(q, k, v, attn_mask):
     if not (q.dim() == k.dim() == v.dim()) or (q.dim() == 4 and q.size(1) % k.size(1)):
         raise ValueError(f"k and v must have q's number of dimensions, and heads that divide q's: got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    G = q.size(1) // k.size(1) if q.dim() == 4 else 1  # query heads a K/V head serves: (B, H, L, D) only
-    group = lambda t: t.reshape(*t.shape[:-3], -1, G, *t.shape[-2:])  # (.., H, L, n) -> (.., H_kv, G, L, n)
-    keep = None if attn_mask is None else group(attn_mask.expand(*q.shape[:-1], k.size(-2)))
-    return group(q), k.unsqueeze(-3), v.unsqueeze(-3), keep
+    G = q.size(1) // k.size(1) if q.dim() == 4 else 1
+    return (k, v) if G == 1 else (k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1))
 
 
 def _blocks(L, size):
@@ -343,12 +333,12 @@ class KVCache:
     """A causal decoder's keys and values so far, for one MultiHeadAttention, made once so that a compiled
     step has one shape, one graph and no host read: k, v (B, n_kv_heads, max_len, hs); `length`, the slots
     written in every row; `pos` (B, max_len), where each slot's token sits, counting its row's real tokens
-    (Hugging Face's cumsum(mask) - 1), or max_len where it holds none (padding, a dropped token, a slot not yet
-    written): after every query, so causality hides it. attn_mask: a call's key padding, (B, 1, 1, T) bool,
-    which the cache keeps, or a mask over the max_len slots for that call (T = max_len: key padding). A call
-    that raises leaves the cache as it was (its length, its positions, and so what any query sees: the keys and
-    values of slots past its length are never read) on a CPU in eager mode; compiled or on CUDA, a device-side
-    assert may stand in, the cache then unspecified."""
+    (Hugging Face's cumsum(mask) - 1), or max_len where it holds none (padding, a dropped token, a slot not
+    yet written): after every query, so causality hides it. attn_mask: a call's key padding, (B, 1, 1, T)
+    bool, which the cache keeps, or a mask over the max_len slots for that call (T = max_len: key padding).
+    A call that raises leaves the cache as it was (its length, its positions, and so what any query sees:
+    the keys and values of slots past its length are never read) on a CPU in eager mode; compiled or on
+    CUDA, a device-side assert may stand in, the cache then unspecified."""
 
     def __init__(self, batch_size, n_kv_heads, max_len, head_size, device=None, dtype=None):
         self.k = torch.zeros(batch_size, n_kv_heads, max_len, head_size, device=device, dtype=dtype)
@@ -364,12 +354,13 @@ class KVCache:
         self.tokens.zero_()
 
     def rollback(self, n):
-        """Drop the last n slots, each row's next position going back by its real tokens among them; or, n a (B,)
-        integer tensor, each row b its own last n[b] tokens, which become padding (batched speculative decoding:
-        every row keeps the drafts it accepted, the next call's tokens continue each row's positions)."""
+        """Drop the last n slots, each row's next position going back by its real tokens among them; or, n a
+        (B,) integer tensor, each row b its own last n[b] tokens, which become padding (batched speculative
+        decoding: every row keeps the drafts it accepted, the next call's tokens continue each row's
+        positions)."""
         L, (B, _) = self.pos.size(-1), self.pos.shape
         if torch.is_tensor(n) and n.shape == (B,) and not (n.is_floating_point() or n.dtype == torch.bool):
-            kept = self.tokens - n[:, None].to(self.tokens.device)  # (B, 1): row b's tokens sit at 0 .. tokens - 1
+            kept = self.tokens - n[:, None].to(self.tokens.device)  # (B, 1): row b keeps positions < kept
             _check_range(kept, 0, math.inf, "each row's tokens less the n[b] to drop")
             self.pos.masked_fill_(self.pos >= kept, L)
             self.tokens.copy_(kept)
@@ -403,8 +394,9 @@ class KVCache:
         slots, L = self.length + torch.arange(T, device=k.device), self.pos.size(-1)  # (T,): the next T
         self.k.index_copy_(2, slots, k)
         self.v.index_copy_(2, slots, v)
-        self.pos.index_copy_(1, slots, positions if real is None else positions.masked_fill(~real, L))  # padding:
-        self.length.add_(T)  # after every query
+        pos = positions if real is None else positions.masked_fill(~real, L)  # padding: after every query
+        self.pos.index_copy_(1, slots, pos)
+        self.length.add_(T)
         self.tokens.add_(T if real is None else real.sum(-1, keepdim=True))
         rules = named_rules(is_causal=True, window_size=window_size, alibi_slopes=alibi_slopes)
         at = positions[:, None, :, None], self.pos[:, None, None, :]  # (B, 1, T, 1), (B, 1, 1, L)
@@ -1201,11 +1193,10 @@ def parse_args(argv=None):
 # - torch.compile(fullgraph=True), and no host-device sync: off the CPU no device tensor is read on the host
 #   (a CPU has none to wait for: there the checks read values to name them, flash looks for far rows).
 
-# Variants as rules: which keys a query sees, and what is added to its scores. Each named variant is one small
-# rule over the positions of queries and keys, with the keys a block of queries may see written beside it for
-# skipping; Visibility composes a call's rules with its attn_mask and a user's FlexAttention mods, and every path
-# asks it: naive and flash for the whole (Lq, Lk) mask, chunked for one block at a time, KVCache.update for its
-# slots. The paths never learn a variant's name.
+# Variants as rules. Each named variant is a small rule over the positions of queries and keys, with the keys
+# a block of queries may see beside it, for skipping; Visibility composes a call's rules with its attn_mask
+# and a user's FlexAttention mods, and every path asks it: naive and flash for the whole mask, chunked block
+# by block, KVCache.update for its slots. No path knows a variant by name.
 
 
 def padding_mask(lengths, max_len, device=None):
@@ -1227,8 +1218,7 @@ def documents(cu_seqlens, L, device=None):
 
     cu_seqlens: the CPU offsets [0, l_1, l_1 + l_2, ..., L] of a row's documents (FlashAttention's varlen
     convention), empty ones allowed. Computed on the CPU, where cu_seqlens lives, and copied to a GPU pinned
-    and non-blocking, so that the host never waits (under torch.compile the copy is the compiler's own, not
-    pinned here)."""
+    and non-blocking, so that the host never waits (under torch.compile the copy is the compiler's own)."""
     _check_cu_seqlens(cu_seqlens, L)
     doc = torch.bucketize(torch.arange(L), cu_seqlens[1:], right=True)  # document ends <= p: p's document
     both = torch.stack([doc, torch.arange(L) - cu_seqlens[doc]])  # (2, L)
@@ -1238,10 +1228,10 @@ def documents(cu_seqlens, L, device=None):
 
 
 class Rule(NamedTuple):
-    """One variant, over the positions i (.., rows, 1) of queries and j (.., 1, cols) of keys: mask(i, j), True
-    where query i sees key j; score(s, i, j), the scores s with its bias added; keys(i0, i1), the keys [lo, hi)
-    that queries i0 .. i1-1 may see, for skipping the others (None: all of them). Both ends of keys move right as
-    the queries do, so a block's first and last query tell whether every query sees all of its keys."""
+    """One variant over the positions i (.., rows, 1) of queries and j (.., 1, cols) of keys: mask(i, j), True
+    where query i sees key j; score(s, i, j), the scores with its bias added; keys(i0, i1), the keys [lo,
+    hi) that queries i0 .. i1-1 may see (None: all). The ends of keys never move left as the queries move
+    right, so a block's first and last query tell whether all its queries see all its keys."""
     mask: Optional[Callable] = None
     score: Optional[Callable] = None
     keys: Optional[Callable] = None
@@ -1253,14 +1243,13 @@ def causal():
 
 
 def sliding_window(w):
-    """Query i sees the keys j with |i - j| <= w: compared, never subtracted (no (rows, cols) int64 temporary)."""
+    """Query i sees the keys j with |i - j| <= w (compared, never subtracted: no int64 block)."""
     return Rule(mask=lambda i, j: (j >= i - w) & (j <= i + w), keys=lambda i0, i1: (i0 - w, i1 + w))
 
 
 def same_document(cu_seqlens, doc_ids):
-    """Packed documents: query i sees the keys of its own document. doc_ids: the (L,) document of every position
-    (documents()); the keys' range comes from cu_seqlens, read on the host (a CPU tensor: no sync), except under
-    torch.compile, which would break its graph there."""
+    """Packed documents: query i sees the keys of its own document; doc_ids (L,) as documents() gives them.
+    The keys' range reads cu_seqlens on the host (a CPU tensor: no sync), but under torch.compile."""
     if torch.compiler.is_compiling():
         return Rule(mask=lambda i, j: doc_ids[i] == doc_ids[j])
     offsets = cu_seqlens.tolist()
@@ -1279,7 +1268,7 @@ def alibi(slopes):
 
 
 def named_rules(is_causal=False, window_size=None, cu_seqlens=None, alibi_slopes=None, L=None, device=None):
-    """The rules of the named arguments every path takes (the appendix's header); L and device: the packed row's."""
+    """The rules of the named arguments of every path (the appendix's header); L, device: the packed row's."""
     rules = [causal()] if is_causal else []
     if window_size is not None:
         rules.append(sliding_window(window_size))
@@ -1292,32 +1281,37 @@ def named_rules(is_causal=False, window_size=None, cu_seqlens=None, alibi_slopes
 
 @dataclass
 class Visibility:
-    """A call's variants composed, asked about blocks of queries `rows` and keys `cols` (slices): its rules, its
-    attn_mask (bool, or a float bias; the one variant given as data, read by slicing) and a user's mods (_Mods,
-    flex_attention). Query row r sits at position r + shift (0: top-left, Lk - Lq: bottom-right) and key c at c;
-    or, given positions = (queries' (B, 1, Lq, 1), keys' (B, 1, 1, Lk)), every row at its own (a KVCache's)."""
+    """A call's variants, composed: its named rules, its attn_mask (bool, or a float bias: the one variant
+    given as data, read by slicing), and a user's FlexAttention mods: score_mod and a BlockMask's mask_mod
+    (_Mod), the BlockMask's blocks (plan) and the tensors score_mod reads (score_inputs, or in the backward
+    their stand-ins). Query row r sits at position r + shift (0: top-left, Lk - Lq: bottom-right), key c at
+    c; or at positions, every row's own (a KVCache's: queries' (B, 1, Lq, 1), keys' (B, 1, 1, Lk)). Blocks:
+    slices rows, cols."""
     rules: list
     shift: int = 0
     positions: Optional[tuple] = None
     attn_mask: Optional[torch.Tensor] = None
-    mods: Optional["_Mods"] = None
-    base: float = 1.0  # the scores' base in scores(): log2(e) on the chunked path's named rules, else 1
+    base: float = 1.0  # of the scores in scores(): log2(e) on the chunked path, but with a score_mod
+    score_mod: Optional["_Mod"] = None
+    mask_mod: Optional["_Mod"] = None
+    plan: Optional[dict] = None
+    score_inputs: tuple = ()
 
     def key_blocks(self, rows, Lk, ck):
-        """The key blocks, slices of at most ck keys, that queries `rows` may see: blocks that every query's rules
-        hide are never computed, and the range is cut to the keys seen; a BlockMask's own blocks where they meet it."""
+        """The key blocks (of at most ck keys) that queries `rows` may see, cut to the keys that the rules let
+        some of them see; with a BlockMask, its own blocks within them."""
         lo, hi = 0, Lk
         for rule in self.rules:
             if rule.keys is not None and self.positions is None:
                 first, end = rule.keys(rows.start + self.shift, rows.stop + self.shift)
                 lo, hi = max(lo, first), min(hi, end)
-        plan = None if self.mods is None else self.mods.plan
-        if plan is not None:
-            return [slice(k0, min(k0 + ck, Lk)) for k0 in plan.get(rows.start, ()) if lo < k0 + ck and k0 < hi]
+        if self.plan is not None:
+            blocks = self.plan.get(rows.start, ())
+            return [slice(k0, min(k0 + ck, Lk)) for k0 in blocks if lo < k0 + ck and k0 < hi]
         return [slice(k0, min(k0 + ck, hi)) for k0 in range(lo, hi, ck)]
 
     def keep(self, rows, cols, device):
-        """The block's bool mask (.., rows, cols), True where a key is seen, or None where all are: the masks of the
+        """The block's bool mask (.., rows, cols), True where a key is seen (None: all are): the masks of the
         rules that hide some of its keys, and a bool attn_mask."""
         keep, ij = None, None
         for rule in self.rules:
@@ -1330,30 +1324,41 @@ class Visibility:
         return keep
 
     def scores(self, s, rows, cols, backward=False):
-        """A chunked block's scores s (B, H, rows, cols) with every bias added, the user's score_mod applied, and
-        -inf where a key is hidden, in place, in base 2 (from self.base); backward: also the pullback through
-        score_mod (None without one)."""
-        ij, m = None, self._attn_mask(rows, cols)
+        """A chunked block's scores s (B, H, rows, cols), made in self.base: the biases added, score_mod
+        applied, -inf where a key is hidden (FlexAttention's order), in base 2; backward: also the pullback of
+        their gradient through score_mod (None: the identity)."""
+        ij, m, keep, pullback = None, self._attn_mask(rows, cols), self.keep(rows, cols, s.device), None
         for rule in self.rules:
             if rule.score is not None:
                 ij = ij or self._positions(rows, cols, s.device)
                 s = rule.score(s, *ij)
-        keep = self.keep(rows, cols, s.device)
-        if m is not None and m.is_floating_point():  # clamped finite (in base 2), but -inf
+        if m is not None and m.is_floating_point():  # clamped finite, but -inf
             bias = _finite_bias(m, s.dtype, self.base)
-            if self.mods is None:
+            if self.score_mod is None:
                 s = s.add_(bias)
-            else:  # FlexAttention's order: the bias, score_mod, then -inf where a key is hidden
-                seen = ~torch.isneginf(bias)
-                s, keep = s.add_(bias.masked_fill(~seen, 0.0)), seen if keep is None else keep & seen
-        if self.mods is not None:
-            return self.mods.scores(s, rows, cols, keep, backward)
+            else:  # -inf hides a key after score_mod
+                keep = ~torch.isneginf(bias) if keep is None else keep & ~torch.isneginf(bias)
+                s = s.add_(bias.masked_fill(torch.isneginf(bias), 0.0))
+        if self.plan is not None:
+            keep = self._block_mask(keep, rows, cols)
+        mod = self.score_mod
+        if mod is not None and mod.bias is not None:  # score + f: f added in place, in base 2
+            s = s.add_(mod.bias(None, *mod.indices(rows, cols), *self.score_inputs), alpha=mod.sign * LOG2E)
+            if backward and mod.learned(self.score_inputs):
+                pullback = self._bias_pullback(rows, cols)
+        elif mod is not None:  # in nats, then base 2 in a new tensor: the mod's result may be a view
+            if backward:
+                s, pullback = self._pullback(s, rows, cols)
+            else:
+                s = mod(s, rows, cols, self.score_inputs)
+            s = s * LOG2E if keep is None else s.masked_fill(~keep, -math.inf).mul_(LOG2E)
+            return (s, pullback) if backward else s
         s = s if keep is None else s.masked_fill_(~keep, -math.inf)
-        return (s, None) if backward else s
+        return (s, pullback) if backward else s
 
     def dense(self, Lq, Lk, device):
-        """The whole (Lq, Lk) mask, for naive, flash and a KVCache: None (every key seen), bool (True where seen),
-        or a float bias with -inf where hidden; broadcastable to (B, H, Lq, Lk)."""
+        """The whole (Lq, Lk) mask, broadcastable to (B, H, Lq, Lk), for naive, flash and a KVCache: None (all
+        keys seen), bool (True where seen), or a float bias with -inf where hidden."""
         rows, cols = slice(0, Lq), slice(0, Lk)
         keep, bias = self.keep(rows, cols, device), None  # bias: a new tensor, the rules' biases
         for rule in self.rules:
@@ -1372,14 +1377,14 @@ class Visibility:
         return bias.masked_fill(~keep, -math.inf)  # a larger tensor: the mask's batch, say
 
     def _positions(self, rows, cols, device):
-        """(i, j): the positions of the queries `rows`, (rows, 1) or (B, 1, rows, 1), and of the keys `cols`."""
+        """(i, j): the positions of the queries `rows`, (rows, 1) or (B, 1, rows, 1), and the keys `cols`."""
         if self.positions is not None:  # each row's own: (B, 1, rows, 1) and (B, 1, 1, cols)
             return self.positions[0][..., rows, :], self.positions[1][..., cols]
         i = torch.arange(rows.start + self.shift, rows.stop + self.shift, device=device)[:, None]
         return i, torch.arange(cols.start, cols.stop, device=device)[None, :]
 
     def _sees_all(self, rule, rows, cols):
-        """Whether every query of `rows` sees every key of `cols` by this rule (no mask needed there)."""
+        """Whether by this rule every query of `rows` sees every key of `cols`: then no mask is needed."""
         if rule.keys is None or self.positions is not None:
             return False
         first, last = rows.start + self.shift, rows.stop - 1 + self.shift
@@ -1393,6 +1398,46 @@ class Visibility:
         if m is not None and m.size(-1) not in (1, cols.stop - cols.start):
             m = m[..., cols]
         return m
+
+    def _block_mask(self, keep, rows, cols):
+        """keep, and the BlockMask's verdict: all keys of a full block, its mask_mod's in a partial one."""
+        states, partial = self.plan[rows.start][cols.start]
+        if states is None:  # full for every (b, h)
+            return keep
+        seen = states == 2
+        if partial:
+            seen = seen | ((states == 1) & self.mask_mod(None, rows, cols, self.mask_mod.inputs))
+        return seen if keep is None else keep & seen
+
+    def _pullback(self, s, rows, cols):
+        """score_mod(s) on a block and its way back, ds -> the gradient of s, adding the gradients of the
+        stand-ins into their .grad; under torch.compile, where the mod reads no tensor that requires grad
+        (_Mod), torch.func.vjp."""
+        mod = functools.partial(self.score_mod, rows=rows, cols=cols, inputs=self.score_inputs)
+        if torch.compiler.is_compiling():
+            out, vjp = torch.func.vjp(mod, s)
+            return out, lambda ds: vjp(ds)[0]
+        with torch.enable_grad():
+            s = s.detach().requires_grad_()
+            out = mod(s.clone() if self.score_mod.in_place else s)
+
+        def pullback(ds):  # backward, not grad: inside an outer autograd.grad FlopCounterMode refuses grad
+            if out.requires_grad:  # else the mod reads neither its score nor a tensor that requires grad
+                torch.autograd.backward(out, ds, inputs=[s, *self.score_mod.learned(self.score_inputs)])
+            return torch.zeros_like(s) if s.grad is None else s.grad
+        return out.detach(), pullback
+
+    def _bias_pullback(self, rows, cols):
+        """For score + f: ds passes through unchanged; the stand-ins that require grad get f's share of it."""
+        mod = self.score_mod
+        with torch.enable_grad():
+            f = mod.bias(None, *mod.indices(rows, cols), *self.score_inputs)
+
+        def pullback(ds):
+            learned = mod.learned(self.score_inputs)
+            torch.autograd.backward(f, ds.sum_to_size(f.shape) * mod.sign, inputs=learned)
+            return ds
+        return pullback
 
 
 def _apply_mask(scores, mask):
@@ -1442,7 +1487,8 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     Causality top-left, or bottom-right with causal_lower_right; enable_gqa repeats K, V per query head."""
     q, k, v, attn_mask, is_causal, shift, scale = _attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
-    rules = named_rules(is_causal, window_size, cu_seqlens, _check_alibi(alibi_slopes, q), q.size(-2), q.device)
+    slopes = _check_alibi(alibi_slopes, q)
+    rules = named_rules(is_causal, window_size, cu_seqlens, slopes, q.size(-2), q.device)
     mask = Visibility(rules, shift, attn_mask=attn_mask).dense(q.size(-2), k.size(-2), q.device)
     if k.size(1) != q.size(1):  # grouped-query attention, written out: query head h reads K/V head h // G
         k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
@@ -1603,17 +1649,16 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     alibi_slopes = _check_alibi(alibi_slopes, q)
     if score_mod is not None or block_mask is not None:  # Python functions: no custom operator takes them
         cq, ck = (cq, ck) if block_mask is None else _check_block_mask(block_mask, q, k)
-        shape, mods = (*q.shape[:-1], k.size(-2)), _Mods(None, None, None)
+        shape, mods = (*q.shape[:-1], k.size(-2)), {}
         if score_mod is not None:
-            mods.score = _Mod(score_mod, "score_mod", shape, q.device, q.dtype)
-            mods.score_inputs = mods.score.inputs
+            mods.update(score_mod=_Mod(score_mod, "score_mod", shape, q.device, q.dtype))
         if block_mask is not None:
-            mods.mask = _Mod(block_mask.mask_mod, "mask_mod", shape, q.device, q.dtype)
-            mods.plan = _block_plan(block_mask, k.size(-2))
-        nats = mods.score is not None and mods.score.bias is None  # what a score_mod that is no bias reads
+            mods.update(mask_mod=_Mod(block_mask.mask_mod, "mask_mod", shape, q.device, q.dtype),
+                        plan=_block_plan(block_mask, k.size(-2)))
+        nats = score_mod is not None and mods["score_mod"].bias is None  # what a score_mod (no bias) reads
         opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens,
-                             alibi_slopes, shift, base=1.0 if nats else LOG2E, mods=mods)
-        inputs = mods.score_inputs + (() if mods.mask is None else mods.mask.inputs)
+                             alibi_slopes, shift, base=1.0 if nats else LOG2E, **mods)
+        inputs = [*getattr(mods.get("score_mod"), "inputs", ()), *getattr(mods.get("mask_mod"), "inputs", ())]
         out, m, log2_l = _ModdedAttention.apply(q, k, v, attn_mask, opts, cq, *inputs)
     else:
         out, m, log2_l = _chunked_fwd(q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p,
@@ -1639,7 +1684,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if block_mask is not None and not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be torch's BlockMask, not a {type(block_mask).__name__}")
     if return_aux is not None and (return_lse or return_aux.max_scores):
-        raise ValueError("return_aux: not with return_lse (as torch), nor max_scores, which this path never keeps")
+        raise ValueError("return_aux: not with return_lse (as torch), nor max_scores, which this path never "
+                         "keeps")
     lse = return_lse or (return_aux is not None and return_aux.lse)
     out = chunked_attention(query, key, value, block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=lse,
                             score_mod=score_mod)
@@ -1650,13 +1696,14 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
 
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, _compile=False):
     """torch's create_block_mask without the (B, H, Q_LEN, KV_LEN) mask. Queries and keys are cut into blocks
-    of BLOCK_SIZE (or (query block, key block)); for a block of queries, a block of keys is full (mask_mod True
-    on all its pairs: attended without calling it), partial (mask_mod decides there) or left out. mask_mod runs
-    on one row of blocks at a time, (B, H, BLOCK_SIZE, KV_LEN), and the result is torch's BlockMask: for each
-    (b, h, block of queries), how many key blocks are partial (kv_num_blocks) and which (kv_indices), the same
-    for the full ones. B, H None: blocks from b = h = 0, as torch builds them; _compile changes nothing."""
+    of BLOCK_SIZE (or (query block, key block)); for a block of queries, a block of keys is full (mask_mod
+    True on all its pairs: attended without calling it), partial (mask_mod decides there) or left out.
+    mask_mod runs on one row of blocks at a time, (B, H, BLOCK_SIZE, KV_LEN), and the result is torch's
+    BlockMask: for each (b, h, block of queries), how many key blocks are partial (kv_num_blocks) and which
+    (kv_indices), the same for the full ones. B, H None: blocks from b = h = 0, as torch builds them;
+    _compile changes nothing."""
     B, H, (cq, ck) = B or 1, H or 1, (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else BLOCK_SIZE
-    nk, counts = -(-KV_LEN // ck), []  # ceil(KV_LEN / ck) key blocks; for each row of blocks, the keys they show
+    nk, counts = -(-KV_LEN // ck), []  # ceil(KV_LEN / ck) key blocks; per row of blocks, the keys they show
     mod = _Mod(mask_mod, "mask_mod", (B, H, Q_LEN, KV_LEN), device, torch.float32, trace=False)
     for rows in _blocks(Q_LEN, cq):
         seen = mod(None, rows, slice(0, KV_LEN), ()).expand(B, H, rows.stop - rows.start, KV_LEN)
@@ -1689,11 +1736,13 @@ class BlockOptions:
 
 
 def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens=None,
-                  alibi_slopes=None, shift=0, base=LOG2E, mods=None):
-    """The BlockOptions of a call: its named arguments as rules (the slopes in the scores' base), composed."""
+                  alibi_slopes=None, shift=0, base=LOG2E, **mods):
+    """The BlockOptions of a call: its named arguments as rules (the slopes in the scores' base), composed
+    with its attn_mask and a user's mods (Visibility's score_mod, mask_mod, plan)."""
     slopes = None if alibi_slopes is None else alibi_slopes * base
     rules = named_rules(is_causal, window_size, cu_seqlens, slopes, q.size(-2), q.device)
-    vis = Visibility(rules, shift, attn_mask=attn_mask, mods=mods, base=base)
+    inputs = getattr(mods.get("score_mod"), "inputs", ())
+    vis = Visibility(rules, shift, attn_mask=attn_mask, base=base, score_inputs=inputs, **mods)
     hashes = _dropout_hashes(seed, *q.shape[:3], k.size(-2)) if dropout_p > 0.0 else (None, None)
     return BlockOptions(scale, ck, vis, dropout_p, *hashes, base=base)
 
@@ -1783,15 +1832,16 @@ _chunked_fwd.register_autograd(_chunked_grad, setup_context=_chunked_save)
 
 
 class _ModdedAttention(torch.autograd.Function):
-    """chunked_forward and chunked_backward with a user's mods (opts.vis.mods), which no custom operator can
-    take: the gradients of q, k, v, of a float attn_mask, and of `inputs`, the tensors the mods read (_Mod)."""
+    """chunked_forward and chunked_backward with a user's mods, which no custom operator can take: the
+    gradients of q, k, v, of a float attn_mask, and of `inputs`, the tensors score_mod reads, then mask_mod
+    (_Mod)."""
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, opts, cq, *inputs):
         ctx.set_materialize_grads(False)  # a gradient of None: that output is unused
         with _no_autocast(q):
             out, m, log2_l = chunked_forward(q.contiguous(), k.contiguous(), v.contiguous(), opts, cq)
-        ctx.save_for_backward(q, k, v, out, m, log2_l, attn_mask, *inputs)  # autograd refuses them changed since
+        ctx.save_for_backward(q, k, v, out, m, log2_l, attn_mask, *inputs)  # autograd refuses them changed
         ctx.opts, ctx.cq = opts, cq
         return out, m, log2_l
 
@@ -1800,109 +1850,45 @@ class _ModdedAttention(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: this backward has no backward of its own
             raise RuntimeError("flex_attention's backward cannot be differentiated (create_graph=True)")
         q, k, v, out, m, log2_l, mask, *inputs = ctx.saved_tensors
-        # the score_mod's graph reads stand-ins of the tensors that need a gradient: theirs adds up over the blocks
-        wants = ctx.needs_input_grad[6:6 + len(ctx.opts.vis.mods.score_inputs)]
+        # score_mod reads stand-ins of the tensors that need a gradient: theirs adds up over the blocks
+        wants = ctx.needs_input_grad[6:]
         standins = [t.detach().requires_grad_() if want else t for t, want in zip(inputs, wants)]
-        mods = replace(ctx.opts.vis.mods, score_inputs=tuple(standins))
-        opts = replace(ctx.opts, vis=replace(ctx.opts.vis, mods=mods),
-                       dlse=None if dlog2_l is None else dlog2_l / LN2)  # lse = (m + log2(l)) ln 2
+        vis = replace(ctx.opts.vis, score_inputs=tuple(standins[:len(ctx.opts.vis.score_inputs)]))
+        dlse = None if dlog2_l is None else dlog2_l / LN2  # lse = (m + log2(l)) ln 2
+        opts = replace(ctx.opts, vis=vis, dlse=dlse)
         dmask = torch.zeros_like(mask, dtype=m.dtype) if ctx.needs_input_grad[3] else None
         dout = torch.zeros_like(out) if dout is None else dout  # a loss of lse alone
         with _no_autocast(q):
             zeros = (torch.zeros_like(t, dtype=m.dtype) for t in (q, k, v))  # dq, dk, dv to add into
             grads = chunked_backward(dout.contiguous(), *(t.contiguous() for t in (q, k, v)), out, m, log2_l,
                                      *zeros, dmask, opts, ctx.cq)
-        learned = [t.grad if want else None for t, want in zip(standins, wants)]
-        return (*grads, None if dmask is None else dmask.to(mask.dtype), None, None, *learned,
-                *[None] * (len(inputs) - len(wants)))
-
-
-@dataclass
-class _Mods:
-    """A user's FlexAttention mods, ready for the blocks, once a call: score_mod and a BlockMask's mask_mod (_Mod),
-    the BlockMask read on the host (_block_plan), and the tensors the score_mod's graph reads (its inputs, or in the
-    backward their stand-ins, whose .grad adds up over the blocks)."""
-    score: Optional["_Mod"]
-    mask: Optional["_Mod"]
-    plan: Optional[dict]
-    score_inputs: tuple = ()
-
-    def scores(self, s, rows, cols, keep, backward):
-        """Visibility.scores for a block with a user's mods: s (B, H, rows, cols) in nats, the named rules' biases
-        added, through score_mod, then -inf where keep, the BlockMask or its mask_mod hide a key, in base 2."""
-        hidden = None if keep is None else ~keep
-        states, partial = (None, False) if self.plan is None else self.plan[rows.start][cols.start]
-        if states is not None:  # the BlockMask's verdict: all keys of a full block, mask_mod's in a partial one
-            seen = states == 2
-            if partial:
-                seen = seen | ((states == 1) & self.mask(None, rows, cols, self.mask.inputs))
-            hidden = ~seen if hidden is None else hidden | ~seen
-        pullback = None
-        if self.score is not None and self.score.bias is not None:  # score + f: f added in place, in base 2
-            f = self.score.bias(None, *self.score.indices(rows, cols), *self.score_inputs)
-            s = s.add_(f, alpha=self.score.sign * LOG2E)
-            if backward and any(t.requires_grad for t in self.score_inputs):
-                pullback = self._bias_pullback(rows, cols)
-        elif self.score is not None:  # in nats, then base 2 in a new tensor: the mod's result may be a view
-            s, pullback = self._pullback(s, rows, cols) if backward else (self.score(s, rows, cols, self.score_inputs),
-                                                                          None)
-            s = s * LOG2E if hidden is None else s.masked_fill(hidden, -math.inf).mul_(LOG2E)
-            return (s, pullback) if backward else s
-        s = s if hidden is None else s.masked_fill_(hidden, -math.inf)
-        return (s, pullback) if backward else s
-
-    def _bias_pullback(self, rows, cols):
-        """For score + f: ds passes through unchanged; the stand-ins that require grad get f's share of it."""
-        learned = [t for t in self.score_inputs if t.requires_grad]
-        with torch.enable_grad():
-            f = self.score.bias(None, *self.score.indices(rows, cols), *self.score_inputs)
-
-        def pullback(ds):
-            torch.autograd.backward(f, ds.sum_to_size(f.shape) * self.score.sign, inputs=learned)
-            return ds
-        return pullback
-
-    def _pullback(self, s, rows, cols):
-        """score_mod(s) on a block and its way back, ds -> the gradient of s, adding the gradients of the stand-ins
-        that require grad into their .grad; under torch.compile, where the mod is called as the user wrote it
-        (reading no tensor that requires grad: _Mod), torch.func.vjp."""
-        if torch.compiler.is_compiling():
-            out, vjp = torch.func.vjp(lambda s: self.score(s, rows, cols, self.score_inputs), s)
-            return out, lambda ds: vjp(ds)[0]
-        with torch.enable_grad():
-            s = s.detach().requires_grad_()
-            out = self.score(s.clone() if self.score.in_place else s, rows, cols, self.score_inputs)
-        learned = [t for t in self.score_inputs if t.requires_grad]
-
-        def pullback(ds):  # backward, not grad: inside an outer autograd.grad, FlopCounterMode refuses grad
-            if out.requires_grad:  # else the mod reads neither its score nor a tensor that requires grad
-                torch.autograd.backward(out, ds, inputs=[s, *learned])
-            return torch.zeros_like(s) if s.grad is None else s.grad
-        return out.detach(), pullback
+        return (*grads, None if dmask is None else dmask.to(mask.dtype), None, None,
+                *[t.grad if want else None for t, want in zip(standins, wants)])
 
 
 class _Mod:
-    """A user's mod, score_mod(score, b, h, q_idx, kv_idx) or mask_mod(b, h, q_idx, kv_idx), as the blocks call it:
-    mod(s or None, rows, cols, inputs) -> the block's scores (B, H, rows, cols), or its bool mask (broadcastable).
+    """A user's mod, score_mod(score, b, h, q_idx, kv_idx) or mask_mod(b, h, q_idx, kv_idx), as the blocks
+    call it: mod(s or None, rows, cols, inputs) -> the block's scores (B, H, rows, cols), or its bool mask
+    (broadcastable).
 
-    Traced once a call by torch.fx into a graph whose every tensor input is explicit (_ReadsAsInputs): a tensor the
-    mod reads without making it from its arguments (a closure's, a global, a module's parameter, or a value it
-    computes from them) becomes an argument of the graph, `inputs`. The forward and the backward then call the
-    same graph on the same tensors, which autograd saves, and the gradients of those that require grad are the
-    graph's, summed over the blocks and handed back to autograd once, hooks included. A mod that torch.fx cannot
-    trace runs as written if it reads no tensor that requires grad; so does any mod under torch.compile, which
-    inlines it. Each block calls it on broadcast indices b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, rows, 1),
-    kv_idx (1, 1, 1, cols) where, on a small block, that gives what torch's vmap over every index gives (most mods:
-    comparisons, arithmetic, indexing a table by all the indices at once); else vmapped, as torch runs it.
-    shape: (B, H, Lq, Lk) of the call."""
+    Traced once a call by torch.fx into a graph whose every tensor input is explicit (_ReadsAsInputs): a
+    tensor the mod reads without making it from its arguments (a closure's, a global, a module's parameter, or
+    a value it computes from them) becomes an argument of the graph, `inputs`. The forward and the backward
+    then call one graph on the same tensors, which autograd saves, and the gradients of those that require
+    grad are the graph's, summed over the blocks and handed back to autograd once, hooks included. A mod that
+    torch.fx cannot trace runs as written if it reads no tensor that requires grad; so does any mod under
+    torch.compile, which inlines it. Each block calls it on broadcast indices b (B, 1, 1, 1), h (1, H, 1, 1),
+    q_idx (1, 1, rows, 1), kv_idx (1, 1, 1, cols), int32 as torch's, where on a small block that gives what
+    torch's vmap over every index gives (comparisons, arithmetic, a table indexed by all the indices at once);
+    else vmapped, as torch runs it. A score_mod score + f(b, h, q_idx, kv_idx) (ALiBi, a relative table) is
+    run as its bias f (bias, sign). shape: (B, H, Lq, Lk) of the call."""
 
     def __init__(self, mod, name, shape, device, dtype, trace=True):
         if isinstance(mod, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):  # as torch's flex_attention
             raise ValueError(f"{name}: a TorchScript function, which cannot be traced: pass it as Python")
         self.name, self.score, self.fn, self.inputs, self.in_place = name, name == "score_mod", mod, (), True
-        self.b, self.h = (torch.arange(n, device=device, dtype=torch.int32) for n in shape[:2])  # torch's dtype
-        self.bias, self.sign = None, 0
-        compiling, untraced = torch.compiler.is_compiling(), None
+        self.b, self.h = (torch.arange(n, device=device, dtype=torch.int32) for n in shape[:2])
+        self.bias, self.sign, compiling, untraced = None, 0, torch.compiler.is_compiling(), None
         if trace and not compiling:
             try:
                 self.fn, reads = _traced(mod, self.score)
@@ -1913,26 +1899,24 @@ class _Mod:
                 self.in_place = any(n.op == "call_method" and n.target[-1] == "_" != n.target[-2]
                                     for n in self.fn.graph.nodes)  # a method such as add_: it edits its score
                 subclass = next((t for t in reads if type(t) not in (torch.Tensor, nn.Parameter)), None)
-                if self.score and subclass is not None:  # its own __torch_function__ may read what no graph shows
-                    raise ValueError(f"score_mod reads a {type(subclass).__name__}, a tensor subclass: pass a plain "
-                                     "tensor")
+                if self.score and subclass is not None:  # its __torch_function__ may read what no graph shows
+                    raise ValueError(f"score_mod reads a {type(subclass).__name__}, a tensor subclass: pass "
+                                     "a plain tensor")
                 self.bias, self.sign = _additive(self.fn) if self.score else (None, 0)
         self.vmapped = self.fn
         for n in (3, 2, 1, 0):  # kv_idx innermost, b outermost; the score mapped along with each
             dims = tuple(0 if d == n else None for d in range(4)) + (None,) * len(self.inputs)
             self.vmapped = torch.vmap(self.vmapped, in_dims=(0,) * self.score + dims)
-        if trace and self.score and (compiling or untraced) and torch.is_grad_enabled() and self._learned(dtype):
-            raise ValueError(f"score_mod reads a tensor that requires grad, and torch.fx cannot trace it to make "
-                             f"that tensor an input of the attention: {untraced}" if untraced else "under "
-                             "torch.compile, score_mod may read no tensor that requires grad: finding it takes "
-                             "torch.fx, which runs outside the compiled graph (torch.compiler.disable the attention)")
+        learned = trace and self.score and (compiling or untraced) and torch.is_grad_enabled()
+        if learned and self._learned(dtype) and untraced:
+            raise ValueError(f"score_mod reads a tensor that requires grad, and torch.fx cannot trace it to "
+                             f"make that tensor an input of the attention: {untraced}")
+        if learned and self._learned(dtype):
+            raise ValueError("under torch.compile, score_mod may read no tensor that requires grad: finding "
+                             "it takes torch.fx, which runs outside the compiled graph (compile around the "
+                             "attention: torch.compiler.disable)")
         self.broadcast = not compiling and self._broadcasts(shape, dtype)
         self.bias = self.bias if self.broadcast else None
-
-    def indices(self, rows, cols):
-        """The broadcast indices b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, rows, 1), kv_idx (1, 1, 1, cols)."""
-        i, j = (torch.arange(r.start, r.stop, device=self.b.device, dtype=torch.int32) for r in (rows, cols))
-        return self.b.view(-1, 1, 1, 1), self.h.view(1, -1, 1, 1), i.view(1, 1, -1, 1), j.view(1, 1, 1, -1)
 
     def __call__(self, s, rows, cols, inputs, broadcast=None):
         args, (b, h, i, j) = [] if s is None else [s], self.indices(rows, cols)
@@ -1941,17 +1925,24 @@ class _Mod:
         else:
             out = self.vmapped(*args, self.b, self.h, i.flatten(), j.flatten(), *inputs)
         shape = (len(self.b), len(self.h), i.numel(), j.numel())
-        if not (torch.is_tensor(out) and (out.is_floating_point() if self.score else out.dtype == torch.bool) and
-                out.dim() <= 4 and all(n in (1, m) for n, m in zip(out.shape[::-1], shape[::-1]))):
-            raise TypeError(f"{self.name} must return a {'float' if self.score else 'bool'} for each (b, h, q_idx, "
-                            f"kv_idx), as torch's FlexAttention: got {getattr(out, 'dtype', out)} "
+        ok = torch.is_tensor(out) and (out.is_floating_point() if self.score else out.dtype == torch.bool)
+        if not (ok and out.dim() <= 4 and all(n in (1, m) for n, m in zip(out.shape[::-1], shape[::-1]))):
+            raise TypeError(f"{self.name} must return a {'float' if self.score else 'bool'} for each (b, h, "
+                            f"q_idx, kv_idx), as torch's FlexAttention: got {getattr(out, 'dtype', out)} "
                             f"{tuple(getattr(out, 'shape', ()))} for {shape}")
-        if not self.score:
-            return out
-        return (out if out.shape == shape else out.expand(shape)).to(s.dtype)
+        return (out if out.shape == shape else out.expand(shape)).to(s.dtype) if self.score else out
+
+    def indices(self, rows, cols):
+        """b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, rows, 1) and kv_idx (1, 1, 1, cols), broadcast."""
+        i, j = (torch.arange(r.start, r.stop, device=self.b.device, dtype=torch.int32) for r in (rows, cols))
+        return self.b.view(-1, 1, 1, 1), self.h.view(1, -1, 1, 1), i.view(1, 1, -1, 1), j.view(1, 1, 1, -1)
+
+    @staticmethod
+    def learned(inputs):
+        return [t for t in inputs if t.requires_grad]
 
     def _learned(self, dtype):
-        """Whether the mod, on one key, reads a tensor that requires grad: autograd tells, however it read it."""
+        """Whether the mod, on one key, reads a tensor that requires grad (autograd tells, however read)."""
         with torch.enable_grad():
             s = torch.zeros(len(self.b), len(self.h), 1, 1, device=self.b.device,
                             dtype=torch.promote_types(dtype, torch.float32))
@@ -1959,10 +1950,11 @@ class _Mod:
 
     def _broadcasts(self, shape, dtype):
         """Whether broadcast indices give torch's vmap result, on the first (at most) 4 queries and 5 keys."""
-        rows, cols, g = slice(0, min(shape[2], 4)), slice(0, min(shape[3], 5)), torch.Generator().manual_seed(0)
-        s = torch.randn(*shape[:2], rows.stop, cols.stop, dtype=torch.promote_types(dtype, torch.float32),
-                        generator=g).to(self.b.device) if self.score else None
-        want = self(None if s is None else s.clone(), rows, cols, self.inputs, broadcast=False)  # a mod may edit s
+        rows, cols, dtype = slice(0, min(shape[2], 4)), slice(0, min(shape[3], 5)), torch.promote_types(
+            dtype, torch.float32)
+        s = torch.randn(*shape[:2], rows.stop, cols.stop, generator=torch.Generator().manual_seed(0))
+        s = s.to(self.b.device, dtype) if self.score else None
+        want = self(None if s is None else s.clone(), rows, cols, self.inputs, broadcast=False)  # mods edit s
         try:
             got = self(None if s is None else s.clone(), rows, cols, self.inputs, broadcast=True)
         except Exception:  # indexing by one index at a time (table[q_idx][kv_idx]), say
@@ -1971,13 +1963,15 @@ class _Mod:
 
 
 def _additive(gm):
-    """(f, sign) where the traced score_mod gm is score + sign * f(b, h, q_idx, kv_idx), a bias (ALiBi, a relative
-    table): f, gm's graph cut to what the bias reads, takes gm's arguments and ignores the score; else (None, 0)."""
+    """(f, sign) where the traced score_mod gm is score + sign * f(b, h, q_idx, kv_idx), a bias (ALiBi, a
+    relative table): f, gm's graph cut to what the bias reads, takes gm's arguments and ignores the score;
+    else (None, 0)."""
     nodes = list(gm.graph.nodes)
     score, out = nodes[0], nodes[-1].args[0]
-    adds, subs = (operator.add, torch.add, "add", "add_", "__add__", "__radd__"), (operator.sub, torch.sub, "sub", "sub_")
-    if not (isinstance(out, torch.fx.Node) and out.target in adds + subs and len(out.args) == 2 and not out.kwargs
-            and list(score.users) == [out]):  # the score read once, by that sum
+    adds = (operator.add, torch.add, "add", "add_", "__add__", "__radd__")
+    subs = (operator.sub, torch.sub, "sub", "sub_")
+    if not (isinstance(out, torch.fx.Node) and out.target in adds + subs and len(out.args) == 2
+            and not out.kwargs and list(score.users) == [out]):  # the score read once, by that sum
         return None, 0
     other, sign = (out.args[1], 1 if out.target in adds else -1) if out.args[0] is score else (out.args[0], 1)
     if out.target in subs and out.args[0] is not score or not isinstance(other, torch.fx.Node):
@@ -1990,14 +1984,15 @@ def _additive(gm):
 
 
 class _ReadsAsInputs(torch.fx.Tracer):
-    """torch.fx's tracer, through modules too, recording as `reads` every tensor a mod uses that is not made from
-    its arguments; each becomes a get_attr node "read<n>" (n: its index in reads), which _traced makes an input."""
+    """torch.fx's tracer, through modules too, recording as `reads` every tensor a mod uses that is not made
+    from its arguments; each becomes a get_attr node "read<n>" (n: its index in reads), which _traced makes
+    an input."""
 
     def __init__(self):
         super().__init__(autowrap_modules=(), autowrap_functions=())
         self.reads = []
 
-    def call_module(self, module, forward, args, kwargs):  # through every module, made part of the graph or not
+    def call_module(self, module, forward, args, kwargs):  # through every module, part of the graph or not
         return forward(*args, **kwargs)
 
     def create_arg(self, a):
@@ -2038,7 +2033,8 @@ def _block_plan(block_mask, Lk):
         if num is not None:  # each row's first num indices; the rest to an extra column, dropped after
             listed = torch.arange(idx.size(-1), device=idx.device) < num[..., None]
             if not (((idx >= 0) & (idx < nk)) | ~listed).all():
-                raise ValueError(f"a BlockMask lists key blocks outside the {nk} of BLOCK_SIZE {ck} for {Lk} keys")
+                raise ValueError(f"a BlockMask lists key blocks outside the {nk} of BLOCK_SIZE {ck} for {Lk} "
+                                 "keys")
             states.scatter_(-1, idx.long().masked_fill(~listed, nk), value)
     states = states[..., :nk]  # (B, H, nq, nk)
     seen, partial, full = [x.tolist() for x in ((states > 0).any((0, 1)), (states == 1).any((0, 1)),
@@ -2079,9 +2075,9 @@ def _matmul(a, b, alpha=1.0):
 
 
 def _scores(q_i, k, rows, cols, opts, backward=False):
-    """S_j of one block, (B, H, rows, cols), float32 (float64 for float64), in base 2, with every variant of the
-    call applied (Visibility.scores); the backward recomputes it, and also gets the pullback through a user's
-    score_mod (None without one). q_i: the queries `rows` as _per_kv_head lays them out."""
+    """S_j of one block, (B, H, rows, cols), float32 (float64 for float64), in base 2, with every variant of
+    the call applied (Visibility.scores); the backward recomputes it, and also gets the pullback through a
+    user's score_mod (None without one). q_i: the queries `rows` as _per_kv_head lays them out."""
     s = _matmul(q_i, k[:, :, cols].transpose(-2, -1), alpha=opts.scale * opts.base)  # (B, H_kv, G rows, cols)
     s = s.view(s.size(0), -1, rows.stop - rows.start, s.size(-1))  # (B, H, rows, cols)
     return opts.vis.scores(s, rows, cols, backward)
@@ -2196,10 +2192,12 @@ def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_
     mask, dead = attn_mask, None
     rules = named_rules(is_causal, window_size, cu_seqlens, alibi_slopes, q.size(-2), q.device)
     if rules and not (is_causal and len(rules) == 1 and attn_mask is None and not shift):  # SDPA's own flag
-        mask, is_causal = Visibility(rules, shift, attn_mask=attn_mask).dense(q.size(-2), k.size(-2), q.device), False
+        mask = Visibility(rules, shift, attn_mask=attn_mask).dense(q.size(-2), k.size(-2), q.device)
+        is_causal = False
     float_mask = mask is not None and mask.is_floating_point()
-    # a float mask in q's dtype, or float32 beside 16 bits (what the CPU kernel adds in): a float32 mask beside
-    # float64 q is misread where the CPU's vectors are 256 bits wide (AVX2): keys 4-7 of every 8 unscaled, unmasked
+    # a float mask in q's dtype, or float32 beside 16 bits (what the CPU kernel adds in): a float32 mask
+    # beside float64 q is misread where the CPU's vectors are 256 bits wide (AVX2): keys 4-7 of every 8
+    # unscaled, unmasked
     sdpa_dtype = q.dtype if q.dtype.itemsize >= 4 else torch.float32
     if float_mask and mask.dtype != sdpa_dtype:
         mask = _finite_bias(mask, sdpa_dtype)
@@ -2408,25 +2406,27 @@ def _check_mha_call(mha, x, attn_mask, is_causal, need_weights, positions, cu_se
 
 
 def _check_caches(enc, idx, cache, positions):
-    """One KVCache a layer, each of idx's rows (else positions broadcast), one max_len, one length and the same
-    tokens in each row (so that the first cache's positions serve every layer); no positions: the caches place
-    the tokens."""
+    """One KVCache a layer, each of idx's rows (else positions broadcast), one max_len, one length and the
+    same tokens in each row (so that the first cache's positions serve every layer); no positions: the
+    caches place the tokens."""
     if cache is None:
         return
     if positions is not None:
         raise ValueError("positions= with a KV cache: the caches place each row's tokens (KVCache)")
-    distinct, rows, max_len = len({id(c) for c in cache}), {c.k.size(0) for c in cache}, {c.pos.size(-1) for c in cache}
+    distinct, rows = len({id(c) for c in cache}), {len(c.k) for c in cache}
+    max_len = {c.k.size(2) for c in cache}
     if len(cache) != len(enc.layers) or distinct != len(cache) or rows != {len(idx)} or len(max_len) != 1:
-        raise ValueError(f"cache holds {len(cache)} KVCaches, {distinct} of them distinct, of {rows} rows and "
-                         f"max_len {max_len}, for {len(enc.layers)} layers and {len(idx)} rows of idx: one of its "
-                         "own a layer, all of one max_len (kv_caches())")
+        raise ValueError(f"cache holds {len(cache)} KVCaches, {distinct} of them distinct, of {rows} rows "
+                         f"and max_len {max_len}, for {len(enc.layers)} layers and {len(idx)} rows of idx: "
+                         "one of its own a layer, all of one max_len (kv_caches())")
     if cache[0].pos.is_cpu and not torch.compiler.is_compiling():  # read on the host: no device to wait for
         seen = [(_host_value(c.length), _host_value(c.tokens.flatten())) for c in cache]
         if any(layer != seen[0] for layer in seen):
             raise ValueError(f"every layer's KVCache must hold as many slots and tokens (each row's) as the "
                              f"first layer's: got {seen}")
         return
-    state = torch.cat([torch.stack([c.length for c in cache])[:, None], torch.cat([c.tokens.T for c in cache])], 1)
+    lengths, tokens = torch.stack([c.length for c in cache]), torch.cat([c.tokens.T for c in cache])
+    state = torch.cat([lengths[:, None], tokens], 1)  # (layers, 1 + B)
     torch._assert_async((state == state[0]).all(), "every layer's KVCache must hold as many slots and tokens")
 
 

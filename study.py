@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
 
 import torch
@@ -73,10 +73,8 @@ def fit_exponent(ns, ys, last=3):
     return sum((x - mx) * (l - my) for x, l in zip(xs, ls)) / sum((x - mx) ** 2 for x in xs)
 
 
-# Over two doublings, fixed costs gave two linear paths memory "exponents" of -0.46 and 1.27 (--quick): so an
-# exponent takes the FIT_POINTS largest n, spanning MIN_SPAN (three doublings), every step up above its noise,
-# and for growth, successive differences that follow one power (local exponents within MAX_SPREAD; below one
-# block the chunked workspace still grows). Otherwise this range cannot tell, and gives no number.
+# Over two doublings fixed costs give linear paths memory "exponents" of -0.46 and 1.27 (--quick): an exponent
+# spans MIN_SPAN (three doublings); MAX_SPREAD: below one block the chunked workspace still grows.
 FIT_POINTS, MIN_SPAN, MAX_SPREAD = 4, 8, 0.25
 NOISE = {  # (absolute, relative) that a step up in n must exceed
     "peak_mib": (0.5, 0.0),  # exact, written with 0.1 MiB: five times that
@@ -86,14 +84,13 @@ NOISE = {  # (absolute, relative) that a step up in n must exceed
 
 
 def supported_exponent(ns, ys, noise, growth=False):
-    """p in y ~ n^p over the FIT_POINTS largest n, or None where this range cannot tell.
+    """p in y ~ n^p over the FIT_POINTS largest n, spanning MIN_SPAN, or None where this range cannot tell.
 
-    noise: (absolute, relative); each step up in n must raise y by more than max(absolute,
-    relative * y). growth: p in y = c + a * n^p, from the successive differences: with n doubling,
-    y(2n) - y(n) = a * n^p * (2^p - 1), so the constant c (fixed workspaces, one block of scores)
-    cancels and the differences' log-log slope is p itself. It needs n in a geometric progression,
-    and differences that follow one power. A p that is not positive is not a growth law: None.
-    """
+    noise: (absolute, relative); each step up in n must raise y by more than max(absolute, relative * y).
+    growth: p in y = c + a * n^p, from the successive differences: with n doubling, y(2n) - y(n) = a * n^p *
+    (2^p - 1), so the constant c (fixed workspaces, one block of scores) cancels and the differences' log-log
+    slope is p itself. It needs n in a geometric progression, and differences that follow one power (local
+    exponents within MAX_SPREAD). A p that is not positive is not a growth law: None."""
     pts = sorted((n, y) for n, y in zip(ns, ys) if y is not None and not math.isnan(y))[-FIT_POINTS:]
     if len(pts) < FIT_POINTS or pts[-1][0] < MIN_SPAN * pts[0][0]:
         return None
@@ -135,32 +132,25 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters of glibc's mal
 
 
 def _libc():
-    try:
+    with contextlib.suppress(OSError):
         libc = ctypes.CDLL("libc.so.6")
         return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
 
 
-def _proc_kib(field):
-    with open("/proc/self/status") as f:
+def _proc_kib(field, path="/proc/self/status"):
+    with open(path) as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+    raise RuntimeError(f"{field} not in {path}")
 
 
 def _available_bytes():
     """Memory available now (Linux), else the machine's physical memory, else None."""
-    if os.path.exists("/proc/meminfo"):
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    try:
+    with contextlib.suppress(OSError, RuntimeError):  # no /proc/meminfo, or no MemAvailable (Linux < 3.14)
+        return _proc_kib("MemAvailable", "/proc/meminfo") * 1024
+    with contextlib.suppress(AttributeError, ValueError, OSError):  # Windows
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # Windows
-        return None
 
 
 class _CpuPeak:
@@ -262,11 +252,9 @@ def _attention_call(spec, q, k, v):
     path = spec["path"]
     if path in SDPA_SERIES:  # one fused kernel forced, if this GPU and these inputs allow it
         backend = mt._KERNELS[SDPA_SERIES[path]]
-        try:
-            with torch.nn.attention.sdpa_kernel(backend):
-                chosen = mt._chosen_kernel(q, k, v, None, 0.0, spec["causal"], None)
-        except RuntimeError:
-            chosen = None
+        chosen = None
+        with contextlib.suppress(RuntimeError), torch.nn.attention.sdpa_kernel(backend):
+            chosen = mt._chosen_kernel(q, k, v, None, 0.0, spec["causal"], None)
         if chosen not in (SDPA_SERIES[path], "unknown"):  # unknown: torch cannot say; running it will tell
             raise PointUnsupported(f"SDPA's {SDPA_SERIES[path]} kernel does not support these inputs here")
 
@@ -289,8 +277,7 @@ def _attention_call(spec, q, k, v):
     return (lambda: mt.naive_attention(q, k, v, **kw)[0]), "naive"
 
 
-# FlexAttention: minitransformer's flex_attention on the chunked path, and torch's own, eager (its (B, H, n, n)
-# scores) and compiled; forward only for torch's on a CPU, where it has no backward
+# FlexAttention: minitransformer's on the chunked path, torch's own eager ((B, H, n, n) scores) and compiled
 FLEX_PATHS = ("flex", "torch-flex", "torch-flex-compiled")
 
 
@@ -360,19 +347,27 @@ class _Workload:
         step()
         return time.perf_counter() - t0
 
+    def peak(self, step, meter):
+        """A step's peak memory in MiB, as `meter` (_CudaPeak, _AllocPeak, _CpuPeak) reads it."""
+        self.clear_grads()
+        with meter:
+            step()
+        return meter.mib
 
-def _forced_kernel_runs(work, step, kernel):
-    """One whole step of a forced SDPA kernel, backward included, before anything is measured.
 
-    SDPA only says which kernel it would choose for the forward; a backward that this GPU cannot run (some head
-    dims need a newer architecture) fails only when called. A plain RuntimeError (what the kernels' own checks
-    raise) is this device's answer: unsupported. Out of memory stays out of memory; subclasses (a CUDA fault,
-    not implemented) and failures of other series are bugs."""
+def _warm_up(work, step, kernel, path):
+    """One whole step, backward included, before anything is measured.
+
+    For a forced SDPA kernel it is also the check: SDPA only says which kernel it would choose for the
+    forward; a backward that this GPU cannot run (some head dims need a newer architecture) fails only when
+    called. A plain RuntimeError (what the kernels' own checks raise) is this device's answer: unsupported.
+    Out of memory stays out of memory; subclasses (a CUDA fault, not implemented) and failures of other
+    series are bugs."""
     work.clear_grads()
     try:
         step()
     except RuntimeError as e:
-        if type(e) is not RuntimeError or _is_oom(e):
+        if path not in SDPA_SERIES or type(e) is not RuntimeError or _is_oom(e):
             raise
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise PointUnsupported(f"SDPA's {kernel} kernel failed here: {first}"[:150]) from e
@@ -383,19 +378,10 @@ def measure_point(spec):
     work = _Workload(spec)
     step, kernel = work.step_for(spec)
     cuda = work.device.type == "cuda"
-    if spec["path"] in SDPA_SERIES:  # also the warm-up
-        _forced_kernel_runs(work, step, kernel)
-    elif cuda:  # warm-up: cuBLAS / cuDNN workspaces are one-time costs, not this point's memory
-        work.timed(step)
-    work.clear_grads()
-    with (_CudaPeak() if cuda else _AllocPeak()) as alloc:  # on CPU this call is also the warm-up
-        step()
-    rss = None
-    if not cuda and LINUX_MEMORY:
-        work.clear_grads()
-        with _CpuPeak() as peak:
-            step()
-        rss = peak.mib
+    if spec["path"] in SDPA_SERIES or cuda:  # cuBLAS / cuDNN workspaces: one-time, not this point's memory
+        _warm_up(work, step, kernel, spec["path"])
+    peak = work.peak(step, _CudaPeak() if cuda else _AllocPeak())  # on CPU this call is also the warm-up
+    rss = work.peak(step, _CpuPeak()) if not cuda and LINUX_MEMORY else None
     first = work.timed(step)
     reps = max(spec["min_repeats"] - 1, min(20, int(spec["target_s"] / max(first, 1e-6))) - 1)
     if spec["path"] == "ring":  # every rank must run the same number of ring calls
@@ -405,7 +391,7 @@ def measure_point(spec):
     comm = ms * _ring_wait_share(work, step) if spec["path"] == "ring" and not cuda else None
     errors = _errors(spec, work) if spec["path"] in approx.STRATEGIES and spec["mode"] == "fwd" else {}
     return {"kernel": kernel, "ms": ms, "ms_min": min(times), "ms_max": max(times), "comm_ms": comm,
-            "peak_mib": alloc.mib, "rss_mib": rss, **errors}
+            "peak_mib": peak, "rss_mib": rss, **errors}
 
 
 def _errors(spec, work):
@@ -437,13 +423,8 @@ def measure_compare(spec):
     rotated order, so that a slow spell of a shared machine hits them all alike."""
     work = _Workload(spec)
     steps = {s["series"]: work.step_for({**spec, **s}) for s in spec["series_list"]}
-    for s in spec["series_list"]:  # warm-up
-        step, kernel = steps[s["series"]]
-        if s["path"] in SDPA_SERIES:
-            _forced_kernel_runs(work, step, kernel)
-        else:
-            work.clear_grads()
-            step()
+    for s in spec["series_list"]:
+        _warm_up(work, *steps[s["series"]], s["path"])
     names = list(steps)
     times = {name: [] for name in names}
     for r in range(spec["rounds"]):
@@ -455,8 +436,7 @@ def measure_compare(spec):
 def measure_matmul(spec):
     """TFLOP/s of a square matmul in the sweep's dtype: the practical ceiling of this device. The best
     rate over `seconds` of repeats: on a shared machine, the one least disturbed by other work."""
-    device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
-    N = spec["N"]
+    device, dtype, N = torch.device(spec["device"]), getattr(torch, spec["dtype"]), spec["N"]
     a, b = (torch.randn(N, N, device=device).to(dtype) for _ in range(2))
     for _ in range(2):
         a @ b
@@ -492,39 +472,28 @@ def describe_device(spec):
 
 def _cpu_name():
     """The CPU's model (Linux's /proc/cpuinfo), else what platform knows of it: bfloat16 depends on it (AMX)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
+    with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as f:
+        return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    return platform.processor() or platform.machine()
 
 
 # -----------------------------------------------------------------------------
 # Workers: one process per point (a process group for a ring series), under a memory budget
 
 
-def _warm_up_cpu():
-    # thread pools, malloc's arenas and the profiler reserve about 300 MiB of address space
-    # when first used: reserved here, once, they do not count against the first point's budget
-    with _AllocPeak():
-        x = torch.randn(2048, 2048, requires_grad=True)
-        (x @ x).sum().backward()
-
-
 def _cap_address_space(budget_bytes):
-    """Out of memory above budget_bytes more than this process holds now (RLIMIT_AS): an allocation
-    error, recorded, instead of the OS's OOM killer or swapping. Set again before every point, as a
-    GPU's memory is empty at the start of each. What malloc can give back of earlier points' memory
-    goes back first (malloc_trim); free chunks it keeps still count in the address space and may be
-    reused beyond the budget, and thread stacks and new arenas count against it: the budget holds to
-    some tens of MiB."""
+    """Out of memory above budget_bytes more than this process holds now (RLIMIT_AS): an allocation error,
+    recorded, instead of the OS's OOM killer or swapping. Set again before every point, as a GPU's memory is
+    empty at the start of each. What malloc can give back of earlier points' memory goes back first
+    (malloc_trim); free chunks it keeps still count in the address space and may be reused beyond the budget,
+    and thread stacks and new arenas count against it: the budget holds to some tens of MiB."""
     if libc := _libc():
         libc.malloc_trim(0)
     limit, hard = _proc_kib("VmSize") * 1024 + budget_bytes, resource.getrlimit(resource.RLIMIT_AS)[1]
     resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
 
 
-def _worker(conn, device, budget_bytes, rank=0, world=1, store=None, linux_memory=LINUX_MEMORY):
+def _worker(conn, device, budget_bytes, rank, world, store, linux_memory):
     global LINUX_MEMORY
     LINUX_MEMORY = linux_memory  # the parent's answer (tests simulate another OS there)
     if world > 1:  # one rank of a ring series: a process group, the cores shared among the ranks
@@ -537,8 +506,10 @@ def _worker(conn, device, budget_bytes, rank=0, world=1, store=None, linux_memor
     if budget_bytes and device == "cuda":  # the caching allocator's cap for this process
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total))
-    elif budget_bytes:
-        _warm_up_cpu()
+    elif budget_bytes:  # thread pools, malloc's arenas and the profiler reserve some 300 MiB of address space
+        with _AllocPeak():  # when first used: reserved here, once, they count against no point's budget
+            x = torch.randn(2048, 2048, requires_grad=True)
+            (x @ x).sum().backward()
     while (spec := conn.recv()) is not None:
         try:
             if budget_bytes and device == "cpu" and LINUX_MEMORY:
@@ -553,11 +524,12 @@ def _worker(conn, device, budget_bytes, rank=0, world=1, store=None, linux_memor
 
 
 class WorkerRunner:
-    """Runs measurements in `world` separate processes (a process group for a ring series), restarted
-    if the OS kills one."""
+    """Runs measurements in `world` separate processes (a process group for a ring series), restarted if
+    the OS kills one; a point for another number of processes (spec["world"]) goes to a runner of its own."""
 
     def __init__(self, device, budget_bytes, world=1):
         self.device, self.budget_bytes, self.world, self.procs, self.conns = device, budget_bytes, world, [], []
+        self.others = {}  # world: WorkerRunner
 
     def _start(self):
         ctx = mp.get_context("spawn")  # a fresh interpreter: no state, threads or heap from the parent
@@ -592,6 +564,10 @@ class WorkerRunner:
         return [answers.get(i) for i in range(self.world)]
 
     def __call__(self, spec):
+        if (world := spec.get("world", 1)) != self.world:
+            if world not in self.others:
+                self.others[world] = WorkerRunner(self.device, self.budget_bytes, world)
+            return self.others[world](spec)
         if not self.procs or not all(proc.is_alive() for proc in self.procs):
             self._stop()
             self._start()
@@ -617,27 +593,12 @@ class WorkerRunner:
         return {**results[0], **worst}  # per rank: the slowest rank's time, the largest memory
 
     def close(self):
+        for other in self.others.values():
+            other.close()
         for conn, proc in zip(self.conns, self.procs):
             if proc.is_alive():
                 conn.send(None)
                 proc.join(timeout=10)
-
-
-class Workers:
-    """A WorkerRunner for each number of processes that points ask for (spec["world"], default 1)."""
-
-    def __init__(self, device, budget_bytes):
-        self.device, self.budget_bytes, self.runners = device, budget_bytes, {}
-
-    def __call__(self, spec):
-        world = spec.get("world", 1)
-        if world not in self.runners:
-            self.runners[world] = WorkerRunner(self.device, self.budget_bytes, world)
-        return self.runners[world](spec)
-
-    def close(self):
-        for runner in self.runners.values():
-            runner.close()
 
 
 # -----------------------------------------------------------------------------
@@ -663,8 +624,7 @@ class Series:
 
 # The default CPU sweep, 256..16384 within about 2 minutes on 2 cores (results/cpu): naive until the 4 GiB
 # budget stops it (at 8192 one (H, n, n) float32 matrix is 2 GiB); chunked and flash to 8192, past that wall;
-# chunked-window256, linear in time, to 16384; chunked-causal (its block skipping) and flash-window256 (an
-# (n, n) mask) to 4096. The packed, ALiBi, ring and approximate series run only when --series names them.
+# chunked-window256, linear in time, to 16384; chunked-causal and flash-window256 (an (n, n) mask) to 4096.
 CPU_DEFAULT_CAPS = {"chunked": 8192, "flash": 8192, "chunked-causal": 4096, "flash-window256": 4096}
 # approximate_attention's strategies and settings (a stride of about sqrt(n), two ranks, two ratios)
 APPROXIMATE = [("strided", 64), ("strided", 128), ("linear", None), ("lowrank", 64), ("lowrank", 256),
@@ -673,19 +633,16 @@ APPROXIMATE = [("strided", 64), ("strided", 128), ("linear", None), ("lowrank", 
 
 def default_series(device, causal, window, caps=None, gpus=None):
     """naive, chunked, flash (+ each fused SDPA kernel on CUDA), chunked-causal, chunked-window<w>, flash-window<w>;
-    outside the default, <path>-packed8 and -packed32 (8 or 32 documents in every row) for naive, chunked and
-    flash, chunked-alibi and flash-alibi, chunked-gqa8 and flash-gqa8 (K and V with H / 8 heads, grouped-query
-    attention), the APPROXIMATE strategies, FlexAttention's (FLEX_PATHS: a softcap with 4 documents causal inside
-    each, and a learned relative bias; chunked-causal-packed4 beside them), and ring2 and ring4 (P processes: gloo on
-    CPU, NCCL where there are P GPUs or more: `gpus`, default the count here). caps: {series name: longest n}."""
+    outside the default (run when --series names them): packed, ALiBi, grouped-query, approximate,
+    FlexAttention and ring series. gpus: the GPUs a ring series may use (default: the count here); caps:
+    {series name: longest n}."""
     series = [Series("naive", "naive", causal), Series("chunked", "chunked", causal), Series("flash", "flash", causal)]
     if device.type == "cuda":
         series += [Series(name, name, causal) for name in SDPA_SERIES]
     if not causal:  # block skipping, measured side by side with the dense chunked path
         series.append(Series("chunked-causal", "chunked", True))
-    if window:
-        series.append(Series(f"chunked-window{window}", "chunked", causal, window))
-        series.append(Series(f"flash-window{window}", "flash", causal, window))  # the window as an (n, n) mask
+    if window:  # flash: the window as an (n, n) mask
+        series += [Series(f"{path}-window{window}", path, causal, window) for path in ("chunked", "flash")]
     for docs in (8, 32):  # packed documents; chunked computes about the sum of their squared lengths
         series += [Series(f"{path}-packed{docs}", path, causal, docs=docs, default=False) for path in mt.IMPLS]
     series += [Series(f"{path}-alibi", path, causal, alibi=True, default=False) for path in ("chunked", "flash")]
@@ -695,14 +652,13 @@ def default_series(device, causal, window, caps=None, gpus=None):
     if not causal:  # their causal forms beside them, as chunked-causal
         series += [Series(f"{path}{setting or ''}-causal", path, True, setting=setting, default=False)
                    for path, setting in APPROXIMATE if path != "lowrank"]
-    for path, mod in ((path, mod) for path in FLEX_PATHS for mod in ("softcap", "relbias")):  # a document mask
-        docs = 4 if mod == "softcap" else None  # with causality inside each, and a softcap; or a learned bias
-        series.append(Series(f"{path}{'-causal-packed4' * bool(docs)}-{mod}", path, causal or bool(docs),
-                             docs=docs, mod=mod, default=False))
+    for path in FLEX_PATHS:  # a softcap on 4 documents, causal inside each; a learned relative bias
+        series += [Series(f"{path}-causal-packed4-softcap", path, True, docs=4, mod="softcap", default=False),
+                   Series(f"{path}-relbias", path, causal, mod="relbias", default=False)]
     series.append(Series("chunked-causal-packed4", "chunked", True, docs=4, default=False))  # flex-softcap's mask
     gpus = torch.cuda.device_count() if gpus is None else gpus
     series += [Series(f"ring{P}", "ring", causal, world=P, default=False) for P in (2, 4)
-               if device.type == "cpu" or gpus >= P]
+               if device.type == "cpu" or gpus >= P]  # P processes: gloo on CPU, NCCL on P GPUs
     return [replace(s, max_n=(caps or {}).get(s.name)) for s in series]
 
 
@@ -715,11 +671,6 @@ def read_rows(path):
         return []
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
-
-
-def read_header(path):
-    with open(path, newline="") as f:
-        return next(csv.reader(f), [])
 
 
 class CsvLog:
@@ -772,7 +723,7 @@ def _measured_once_more(p, r, runner):
     return kept, ("noisy, " if spread(kept) > NOISY else "") + noise
 
 
-def sweep(points, runner, log, done, ceiling, threads, say=print, predict_wall=False):
+def sweep(points, runner, log, done, ceiling, threads, predict_wall=False):
     """Measure every point not in `done`; OOM stops that curve, any other error stops the run. A point whose
     repeats spread wide is measured once more (_measured_once_more).
 
@@ -784,7 +735,7 @@ def sweep(points, runner, log, done, ceiling, threads, say=print, predict_wall=F
         base = {c: p.get(c, "") for c in COLUMNS}
         label = f"[{i}/{len(points)}] {p['series']} {p['mode']} n={p['n']}"
         if _key(base) in done:
-            say(f"{label}: already measured, skipped (--resume)")
+            print(f"{label}: already measured, skipped (--resume)")
             continue
         if (p["series"], p["mode"]) in stopped:
             log.write({**base, "status": "skipped: oom or unsupported at smaller n"})
@@ -805,12 +756,13 @@ def sweep(points, runner, log, done, ceiling, threads, say=print, predict_wall=F
             rss = "" if r.get("rss_mib") is None else f", RSS {r['rss_mib']:.0f}"
             model = "not modelled" if predicted is None else f"predicted {predicted:.0f}"
             said = f", {noise.split(';')[0]}" if noise else ""
-            say(f"{label}: {r['ms']:.1f} ms, {r['peak_mib']:.0f} MiB ({model}{rss}) ({r['kernel']}){said}")
+            print(f"{label}: {r['ms']:.1f} ms, {r['peak_mib']:.0f} MiB ({model}{rss}) ({r['kernel']}){said}")
         except (PointOOM, PointUnsupported) as e:
             stopped.add((p["series"], p["mode"]))
             oom = isinstance(e, PointOOM)
             row = {**base, "status": f"{'oom' if oom else 'unsupported'}: {e}"[:120]}
-            say(f"{label}: out of memory ({str(e)[:60]}), curve stops here" if oom else f"{label}: {e}, series skipped")
+            print(f"{label}: out of memory ({str(e)[:60]}), curve stops here" if oom
+                  else f"{label}: {e}, series skipped")
         log.write(row)
 
 
@@ -968,8 +920,7 @@ def tradeoff(curves):
 
 
 def _time_range(row, base):
-    """The range of row's time over base's that their repeats allow (fastest over slowest, slowest over fastest),
-    or None where either did not record its spread."""
+    """The range of row's time over base's that their repeats allow, or None where either lacks its spread."""
     if spread(row) is None or spread(base) is None:
         return None
     return float(row["ms_min"]) / float(base["ms_max"]), float(row["ms_max"]) / max(float(base["ms_min"]), 1e-3)
@@ -992,22 +943,10 @@ def _flash_beside(curves, r):  # flash's row at r's n and mode where its causali
     return f if f and str(f["causal"]) == str(r["causal"]) else None
 
 
-def _beside_plain(curves, keys, extra=lambda r: []):
-    """A table's rows for every point of the series `keys`, beside the plain series of its path (packed
-    documents: one document; ALiBi: none) at the same n and mode: time and memory, and their ratios."""
-    return [[s, mode, r["n"], *extra(r), f"{float(r['ms']):.1f}", f"{float(r['peak_mib']):.1f}", _ratio(r, plain, "ms"),
-             _ratio(r, plain, "peak_mib")] for s, mode in keys for r in curves[(s, mode)]
-            for plain in [_at(curves, r["path"], mode, int(r["n"]))]]
-
-
 def _table(header, rows):
     """A Markdown table: header cells, then one list of cells per row."""
     return ["| " + " | ".join(str(c) for c in header) + " |", "|" + " --- |" * len(header)] + [
         "| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-
-
-def _spread_cell(r):
-    return "-" if spread(r) is None else f"{spread(r):.2f}x"
 
 
 def noise_report(rows):
@@ -1055,8 +994,7 @@ def model_report(rows, curves):
                      f"{statistics.median(ratios):.3f}, band {BAND[0]}-{BAND[1]}.")
 
     def cell(series, mode, n):
-        r = _at(curves, series, mode, n)
-        if not r or not r.get("predicted_mib"):
+        if not (r := _at(curves, series, mode, n)) or not r.get("predicted_mib"):
             return ""
         return f"{_over_predicted(r):.2f}" if float(r["peak_mib"]) >= CHECKED_MIB else f"({_over_predicted(r):.2f})"
     ns = sorted({int(r["n"]) for r in rated})
@@ -1089,9 +1027,10 @@ def report(rows):
         if f["memory"] is not None and f["memory_slope"] is not None:
             memory += f" ({f['memory_slope']:.2f})"
         flops = [f"{float(r['tflops']):.3f}", r["pct_matmul"]] if float(r.get("pairs") or 1) else ["-", "-"]  # no S
-        table.append([f"{s} ({r['kernel']})", mode, r["n"], f"{float(r['ms']):.1f}", _spread_cell(r),
-                      f"{float(r['peak_mib']):.1f}", r.get("predicted_mib") or "-", r.get("rss_mib") or "-",
-                      *flops, memory, _exp(f["rss_slope"]), _exp(f["time"])])
+        table.append([f"{s} ({r['kernel']})", mode, r["n"], f"{float(r['ms']):.1f}",
+                      "-" if spread(r) is None else f"{spread(r):.2f}x", f"{float(r['peak_mib']):.1f}",
+                      r.get("predicted_mib") or "-", r.get("rss_mib") or "-", *flops, memory,
+                      _exp(f["rss_slope"]), _exp(f["time"])])
     lines += _table(["series", "mode", "largest n", "ms", "spread", "peak MiB", "predicted MiB", "RSS MiB", "TFLOP/s",
                      "% of matmul", "memory exponent", "RSS slope", "time exponent"], table)
     lines += noise_report(rows)
@@ -1147,22 +1086,20 @@ def report(rows):
                   "rank's time and the largest rank's peak memory above its inputs (its shard of q, k, v), beside "
                   "the chunked path in one process; communication: the share of the ring's time spent waiting for "
                   "K/V blocks (and, in the backward, their gradients) that compute did not hide.", ""]
-        table = []
-        for s, mode in rings:
-            for r in curves[(s, mode)]:
-                c = _at(curves, "chunked", mode, int(r["n"]))
-                table.append([f"{s} (P={r.get('world') or '?'})", mode, r["n"], f"{float(r['ms']):.1f}",
-                              f"{float(r['peak_mib']):.1f}", f"{float(c['ms']):.1f}" if c else "-",
-                              c["peak_mib"] if c else "-", _ratio(r, c, "peak_mib"), _ratio(r, c, "ms"),
-                              f"{float(r['comm_ms']) / float(r['ms']):.0%}" if r.get("comm_ms") else "-"])
         lines += _table(["series", "mode", "n", "ms", "per-rank peak MiB", "chunked ms", "chunked peak MiB",
-                         "memory / chunked", "time / chunked", "communication"], table)
+                         "memory / chunked", "time / chunked", "communication"], [
+            [f"{s} (P={r.get('world') or '?'})", mode, r["n"], f"{float(r['ms']):.1f}",
+             f"{float(r['peak_mib']):.1f}", f"{float(c['ms']):.1f}" if c else "-",
+             c["peak_mib"] if c else "-", _ratio(r, c, "peak_mib"), _ratio(r, c, "ms"),
+             f"{float(r['comm_ms']) / float(r['ms']):.0%}" if r.get("comm_ms") else "-"]
+            for s, mode in rings for r in curves[(s, mode)]
+            for c in [_at(curves, "chunked", mode, int(r["n"]))]])
     def pairs(r):  # the visible and the computed share of the n^2 pairs, packed
         offsets = packed_offsets(int(r["n"]), int(r["docs"]))
         window = int(r["window"]) if r["window"] else None
         visible = sum(attention_pairs(b - a, r["causal"] == "True", window) for a, b in zip(offsets, offsets[1:]))
         return [f"{visible / int(r['n']) ** 2:.3f}", f"{float(r['pairs']):.3f}"]
-    families = [  # series beside the plain series of their path: (heading, text, member, columns, cells, plain)
+    families = [  # (heading, text, member, columns, cells, plain): beside their path's plain series
         ("Packed documents", "Every row of n tokens packs `docs` documents of random lengths "
          "(cost_model.packed_offsets, a fixed seed), and a query sees only its own document. Visible: the share of "
          "the n^2 pairs inside documents (causal: l^2 / 2 each, as FlashAttention counts); computed: the share the "
@@ -1182,7 +1119,9 @@ def report(rows):
         if keys := [key for key, rs in curves.items() if member(rs[0])]:
             lines += ["", f"## {heading}", "", text, ""] + _table(
                 ["series", "mode", "n", *columns, "ms", "peak MiB", f"time / {plain}", f"memory / {plain}"],
-                _beside_plain(curves, keys, cells))
+                [[s, mode, r["n"], *cells(r), f"{float(r['ms']):.1f}", f"{float(r['peak_mib']):.1f}",
+                  _ratio(r, base, "ms"), _ratio(r, base, "peak_mib")] for s, mode in keys
+                 for r in curves[(s, mode)] for base in [_at(curves, r["path"], mode, int(r["n"]))]])
     strategies = [key for key, rs in curves.items() if rs[0]["path"] in approx.STRATEGIES]
     if strategies:
         lines += ["", "## Approximate attention", "", "approximate_attention's strategies at the largest n each "
@@ -1342,12 +1281,8 @@ def configure(args, p):
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     cpu = device.type == "cpu"
-    if args.lengths:
-        lengths = args.lengths
-    elif args.quick:
-        lengths = [256, 512, 1024]
-    else:
-        lengths = [2**i for i in (range(8, 15) if cpu else range(9, 16))]  # CPU 256..16384, CUDA 512..32768
+    full = [2**i for i in (range(8, 15) if cpu else range(9, 16))]  # CPU 256..16384, CUDA 512..32768
+    lengths = args.lengths or ([256, 512, 1024] if args.quick else full)
     caps = CPU_DEFAULT_CAPS if cpu and not args.lengths and not args.quick and not args.predict else None
     series = default_series(device, args.causal, args.window, caps, gpus=4 if args.predict else None)
     if args.series:  # a chunked series may carry its own blocks: chunked@256x512, chunked-causal@512
@@ -1383,13 +1318,9 @@ MEASURED = ("dtype", "series", "lengths", "batch", "tokens", "heads", "head_dim"
 def out_dir(args, p, device):
     """--out, else a folder under runs/ (git-ignored) named for the kind of run: results/<device> holds the
     committed reference, and a run that replaced it unasked would pass for new reference data."""
-    if args.out:
-        return args.out
-    if args.compare or args.quick:
-        kind = "-compare" if args.compare else "-quick"
-    else:
-        kind = "-custom" if any(getattr(args, name) != p.get_default(name) for name in MEASURED) else ""
-    return os.path.join("runs", device.type + kind)
+    custom = any(getattr(args, name) != p.get_default(name) for name in MEASURED)
+    kind = "-compare" if args.compare else "-quick" if args.quick else "-custom" if custom else ""
+    return args.out or os.path.join("runs", device.type + kind)
 
 
 def points(args, device_label, dtype, lengths, series, batch, modes, **extra):
@@ -1404,12 +1335,11 @@ def points(args, device_label, dtype, lengths, series, batch, modes, **extra):
 
 def predict(args, device, lengths, series, batch, modes):
     """--predict (cost_model.predict), with this machine's matmul rate for the time bound where it has the device."""
+    cpu = device.type == "cpu"
     dtype = choose_dtype(args.dtype, device, True)
-    budget = args.mem_budget or (CPU_BUDGET_GIB if device.type == "cpu" else None)
-    rate = None
-    if device.type == "cpu" or torch.cuda.is_available():  # a device to measure a matmul rate on
-        spec = {"device": device.type, "dtype": dtype, "N": 2048 if device.type == "cpu" else 8192, "seconds": 1.0}
-        rate = measure_matmul(spec)["tflops"]
+    budget = args.mem_budget or (CPU_BUDGET_GIB if cpu else None)
+    spec = {"device": device.type, "dtype": dtype, "N": 2048 if cpu else 8192, "seconds": 1.0}
+    rate = measure_matmul(spec)["tflops"] if cpu or torch.cuda.is_available() else None
     cost_model.predict(points(args, device.type, dtype, lengths, series, batch, modes), device.type, dtype, budget,
                        rate, args.causal)
 
@@ -1425,8 +1355,7 @@ def compare(args, info, dtype, lengths, series, B, modes, runner, out, command):
         for mode in modes:
             spec = {"kind": "compare", "device": info["device"], "dtype": dtype, "B": B, "H": args.heads,
                     "D": args.head_dim, "n": n, "mode": mode, "rounds": args.rounds,
-                    "series_list": [{**asdict(s), "series": s.name,
-                                     "chunk_size": s.chunk_size or args.chunk_size} for s in series]}
+                    "series_list": points(args, info["device"], dtype, [n], series, B, [mode])}
             start = len(lines)
             lines += [f"## n={n}, {mode}", ""]
             try:
@@ -1469,9 +1398,10 @@ def main(argv=None, runner=None):
     if args.report:
         return _report_only(p, out, command)
     budget_gib = None if args.compare else args.mem_budget or (CPU_BUDGET_GIB if device.type == "cpu" else None)
-    if runner is None:  # the worker processes start at their first measurement, not here
-        runner = Workers(device.type, budget_gib and int(budget_gib * 2**30))
-    try:
+    with contextlib.ExitStack() as stack:
+        if runner is None:  # the worker processes start at their first measurement, not here
+            workers = WorkerRunner(device.type, budget_gib and int(budget_gib * 2**30))
+            runner = stack.enter_context(contextlib.closing(workers))
         info = {**runner({"kind": "device", "device": device.type}), "device": device.type}
         dtype = choose_dtype(args.dtype, device, info["bf16"])
         if args.compare:
@@ -1482,9 +1412,6 @@ def main(argv=None, runner=None):
             print(f"warning: --mem-budget {budget_gib:g} GiB is more than the {info['memory_bytes'] / 2**30:.1f} GiB "
                   "available now: the OS may stop the worker first (also recorded as out of memory)")
         _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budget_gib, runner, out, command)
-    finally:
-        if isinstance(runner, Workers):
-            runner.close()
 
 
 def _report_only(p, out, command):
@@ -1509,27 +1436,26 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
     title = (f"{info['label']}, {dtype}, torch {torch.__version__}, "
              f"{f'B={batch}' if not args.tokens else f'B*n={args.tokens}'}, H={args.heads}, D={args.head_dim}"
              f"{', causal' if args.causal else ''}, memory budget {budget_gib:.4g} GiB")
-    if args.resume and os.path.exists(csv_path) and read_header(csv_path) != COLUMNS:
-        p.error(f"--resume: {csv_path} has other columns than this version writes; run without --resume "
-                "(the old CSV is then set aside, not overwritten)")
+    if args.resume and os.path.exists(csv_path):
+        with open(csv_path, newline="") as f:
+            if next(csv.reader(f), []) != COLUMNS:
+                p.error(f"--resume: {csv_path} has other columns than this version writes; run without "
+                        "--resume (the old CSV is then set aside, not overwritten)")
     done = {_key(r) for r in read_rows(csv_path) if r["status"] == "ok"} if args.resume else set()
-    log, t0 = CsvLog(csv_path, args.resume), time.time()
-    try:
+    with contextlib.closing(CsvLog(csv_path, args.resume)) as log:
+        t0 = time.time()
         ceiling = runner({"kind": "matmul", "device": info["device"], "dtype": dtype,
                           "N": 2048 if info["device"] == "cpu" else 8192, "seconds": 2.0})["tflops"]
         trained = os.path.join(out, "reversal.pt") if any(s.path in approx.STRATEGIES for s in series) else None
         if trained:  # the approximate series' error on a trained layer: one encoder, trained here on the CPU
             mt.train(mt.TrainConfig(out=trained, heatmap=None, device="cpu"), log=lambda *a: None)
         todo = points(args, info["label"], dtype, lengths, series, batch, modes, matmul_tflops=f"{ceiling:.4f}",
-                      trained=trained,
-                      mem_budget_gib=f"{budget_gib:.3f}", min_repeats=1 if args.quick else 3,
+                      trained=trained, mem_budget_gib=f"{budget_gib:.3f}", min_repeats=1 if args.quick else 3,
                       target_s=0.2 if args.quick else args.target_seconds)
         print(f"study: {title}; {len(todo)} points -> {csv_path}")
         print(f"matmul ceiling: {ceiling:.3f} TFLOP/s ({dtype}, measured now)")
         sweep(todo, lambda pt: runner({**pt, "device": info["device"]}), log, done, ceiling,
               info.get("threads"), predict_wall=info["device"] == "cpu" and not LINUX_MEMORY)
-    finally:
-        log.close()
     note = f"sweep took {time.time() - t0:.0f} s; command: `{command}`"
     if info["device"] == "cpu" and not LINUX_MEMORY:
         note += ("\n\nNot measured on this OS: rss_mib (it needs Linux's /proc/self to reset and read a peak RSS). "
