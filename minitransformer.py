@@ -1672,17 +1672,26 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                    return_lse=False, kernel_options=None, *, return_aux=None):
     """torch.nn.attention.flex_attention on the chunked path (chunked_attention), in O(L) memory, forward and
     backward, on any device: out = softmax(mask_mod(score_mod(Q K^T * scale))) V, query (B, H, Lq, D), key
-    (B, H_kv, Lk, D), value (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv), H_kv dividing H with enable_gqa.
+    (B, H_kv, Lk, D), value (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv), H_kv dividing H with enable_gqa; key and
+    value of batch 1 serve every row beside a block_mask of query's batch, as torch's.
 
     score_mod(score, b, h, q_idx, kv_idx) -> a new score, and mask_mod(b, h, q_idx, kv_idx) -> True where the
-    key is seen, are written for one score, of 0-d tensors (torch vmaps them over a block: _call_mod); score
-    is float32 (float64 for float64), h the query head. block_mask (create_block_mask) holds mask_mod and the
+    key is seen, are written for one score, as torch's: score float32 (float64 for float64), h the query
+    head, the indices int32. Each is traced once a call into a graph whose every tensor read is an input: the
+    backward computes with the forward's function and tensors (one changed in place since: autograd's error),
+    and the tensors score_mod reads get their gradients. block_mask (create_block_mask) holds mask_mod and the
     key blocks each block of queries visits; mask_mod runs in its partial ones only, as in torch's compiled
     kernels. return_lse, or return_aux=AuxRequest(lse=True): also lse (B, H, Lq), -inf where a query sees no
-    key (its output 0). kernel_options is ignored. The backward calls the mods again: a tensor they read must
-    be the forward's, unchanged (_Reads checks it), and so must any Python value they read."""
+    key (its output 0). kernel_options is ignored."""
     if block_mask is not None and not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be torch's BlockMask, not a {type(block_mask).__name__}")
+    if any(t.is_nested for t in (query, key, value)):
+        raise ValueError("flex_attention takes no nested tensors, as torch's: pass dense ones")
+    if key.size(0) != query.size(0):  # as torch's: K/V of batch 1 serve every row, beside a BlockMask of q's
+        if key.size(0) != 1 or block_mask is None or block_mask.kv_num_blocks.size(0) != query.size(0):
+            raise ValueError(f"q of batch {query.size(0)} and k, v of batch {key.size(0)}: as torch's, k and "
+                             "v of q's batch, or of batch 1 beside a BlockMask of q's batch")
+        key, value = (t.expand(query.size(0), *t.shape[1:]) for t in (key, value))  # their gradient summed
     if return_aux is not None and (return_lse or return_aux.max_scores):
         raise ValueError("return_aux: not with return_lse (as torch), nor max_scores, which this path never "
                          "keeps")

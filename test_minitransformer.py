@@ -2407,6 +2407,42 @@ def test_flex_gradients_hold_under_dispatch_modes_in_place_mods_and_hidden_reads
         mt.flex_attention(q, k, v, indexed_out_of_sight)
 
 
+def test_flex_takes_every_shape_torchs_takes():
+    # k, v of batch 1 beside q of batch 2 and a BlockMask of batch 2 (a shared prefix, a cross-attention memory):
+    # torch's eager flex_attention's output and lse at 1e-10 (float64), Lq != Lk, GQA; their gradients, summed
+    # over the rows, dense autograd's. What torch refuses is refused by name: batch 1 without a BlockMask of q's
+    # batch, k and v of another batch, nested tensors
+    q, _, _ = make_qkv(2, 4, 37, 53, 8, seed=30)
+    _, k, v = make_qkv(1, 2, 37, 53, 8, seed=31)
+    docs = torch.tensor([0, 1]).repeat_interleave(torch.tensor([20, 33]))
+    mask_mod = lambda b, h, qi, ki: (docs[ki] == b) | (ki < 10)  # noqa: E731  each row its own document, a prefix
+    ours, theirs = (f(mask_mod, 2, None, 37, 53, **kw) for f, kw in ((mt.create_block_mask, dict(BLOCK_SIZE=16)),
+                                                                     (torch_flex.create_block_mask, dict(device="cpu"))))
+    softcap = lambda s, b, h, qi, ki: 3 * torch.tanh(s / 3)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = torch_flex.flex_attention(q, k, v, softcap, theirs, enable_gqa=True, return_lse=True)
+    k, v = (t.requires_grad_() for t in (k, v))
+    out, lse = mt.flex_attention(q, k, v, softcap, ours, enable_gqa=True, return_lse=True)
+    torch.testing.assert_close(out, ref[0], atol=1e-10, rtol=0)
+    torch.testing.assert_close(lse, ref[1], atol=1e-10, rtol=0)
+    keep = ((docs[None, None, None, :] == torch.arange(2)[:, None, None, None]) | (torch.arange(53) < 10)).expand(2, 4, 37, 53)
+    dout = torch.randn(2, 4, 37, 8, dtype=torch.float64)
+    want = torch.autograd.grad(dense_flex(q, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), lambda s: 3 * torch.tanh(s / 3),
+                                          keep), [k, v], dout)
+    got = torch.autograd.grad(out, [k, v], dout)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+    one = mt.create_block_mask(mask_mod, None, None, 37, 53, BLOCK_SIZE=16)
+    for kv, mask, what in ((k, None, r"k, v of batch 1"), (k, one, r"k, v of batch 1"),
+                           (torch.cat([k, k, k]), ours, r"k, v of batch 3")):
+        with pytest.raises(ValueError, match=r"q of batch 2 and " + what.split(" and ")[-1] + ".*as torch's"):
+            mt.flex_attention(q, kv, kv, block_mask=mask, enable_gqa=True)
+    nested = torch.nested.nested_tensor([torch.randn(4, 5, 8), torch.randn(4, 7, 8)])
+    with pytest.raises(ValueError, match="no nested tensors"):
+        mt.flex_attention(nested, nested, nested)
+
+
 def test_create_block_mask_gives_torchs_blocks():
     # every mask of the set, B and H None or given (a mask_mod reading b and h), awkward lengths and rectangular
     # blocks: the same partial and full blocks as torch's create_block_mask, and the same to_dense()
