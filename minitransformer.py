@@ -1726,6 +1726,51 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
                                     BLOCK_SIZE=(cq, ck), mask_mod=mask_mod, seq_lengths=(Q_LEN, KV_LEN))
 
 
+def hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Hugging Face's attention interface on the chunked path, for any of its models: register it with
+    transformers.AttentionInterface.register("minitransformer", hf_attention) and a mask function under the
+    same name (AttentionMaskInterface.register("minitransformer", sdpa_mask): without one HF passes no mask,
+    and padding and windows are lost), then build the model with attn_implementation="minitransformer".
+    Contract: sdpa_attention_forward's, query (B, H, L, D), key and value (B, H_kv, Lk, D) -> ((B, L, H, D),
+    None). attention_mask: sdpa_mask's bool (B, 1, L, Lk), eager_mask's float (finfo.min where hidden), a
+    BlockMask, or None: causal as the SDPA route decides (is_causal=, else module.is_causal, with more than
+    one query; top-left). softcap: Gemma 2's tanh softcap, as a score_mod; position_bias: added to the
+    scores; a sliding window: the mask's own. Sinks (s_aux) are refused; other keywords (position_ids, ...)
+    are not used."""
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("hf_attention has no attention sinks (s_aux): use the model's eager attention")
+    is_causal = kwargs.get("is_causal")
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    is_causal = bool(is_causal) and attention_mask is None and query.size(2) > 1
+    if is_causal and key.size(2) > query.size(2):  # keys after the last query, hidden: cut, as SDPA's route
+        key, value = key[:, :, :query.size(2)], value[:, :, :query.size(2)]
+    bias, cap = kwargs.get("position_bias"), kwargs.get("softcap")
+    if bias is not None and isinstance(attention_mask, BlockMask):
+        raise ValueError("hf_attention: position_bias beside a BlockMask; register sdpa_mask or eager_mask")
+    if bias is not None:  # a float mask, -inf where attention_mask hides a key
+        bias, mask = bias[..., :key.size(2)], attention_mask
+        if mask is not None:
+            bias = bias + mask if mask.is_floating_point() else bias.masked_fill(~mask, -math.inf)
+        attention_mask = bias
+    softcap = None if cap is None else lambda s, b, h, i, j: cap * torch.tanh(s / cap)
+    out = chunked_attention(query, key, value, attention_mask, dropout, is_causal, scaling,
+                            enable_gqa=key.size(1) != query.size(1), score_mod=softcap)
+    return out.transpose(1, 2).contiguous(), None  # (B, L, H, D)
+
+
+def hf_block_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                  attention_mask=None, device="cpu", **kwargs):
+    """Hugging Face's mask interface (AttentionMaskInterface) as a BlockMask that create_block_mask builds in
+    linear memory: mask_function (causal, a window, documents: HF's) and attention_mask's key padding (B,
+    its offset + kv_length), the queries and keys at q_offset and kv_offset. Register it beside hf_attention
+    for linear memory: sdpa_mask's bool mask holds L x L bytes."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        seen = mask_function(b, h, q_idx + q_offset, kv_idx + kv_offset)
+        return seen if attention_mask is None else seen & attention_mask[b, kv_idx + kv_offset].bool()
+    blocks = default_chunk_size(device)
+    return create_block_mask(mask_mod, batch_size, None, q_length, kv_length, device, blocks)
+
+
 # The plumbing of the chunked path: the forward and the backward as custom operators, so that torch.compile
 # sees one call and never unrolls the block loops (with the mods, Python functions, an autograd.Function whose
 # loops it unrolls); what the block updates share; the mods; the products' precision; dropout's hash.

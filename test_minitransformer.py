@@ -2443,6 +2443,63 @@ def test_flex_takes_every_shape_torchs_takes():
         mt.flex_attention(nested, nested, nested)
 
 
+def test_hf_attention_keeps_hugging_faces_contract():
+    # mt.hf_attention on a stand-in for a Hugging Face attention module (transformers is not a dependency), float64
+    # against SDPA's math kernel on K, V repeated per query head: causal GQA without a mask (the module's is_causal,
+    # or the is_causal keyword), output (B, L, H, D); sdpa_mask's bool (B, 1, L, L) with left padding, and
+    # eager_mask's float with finfo.min where hidden (its fully hidden rows: SDPA's average of v, not NaN); a
+    # decoding step's single query; keys past the queries cut; a softcap; a position_bias; the unused keywords
+    module = types.SimpleNamespace(is_causal=True, training=False)
+    q, _, _ = make_qkv(2, 4, 9, 9, 8, seed=40)
+    _, k, v = make_qkv(2, 2, 9, 9, 8, seed=41)
+    rep = lambda t: t.repeat_interleave(2, 1)  # noqa: E731
+    i, j = torch.arange(9)[:, None], torch.arange(9)[None, :]
+    real = torch.arange(9)[None, :] >= torch.tensor([[0], [4]])  # row 1 left-padded by 4
+    keep = ((j <= i) & real[:, None, None, :])  # (B, 1, L, L)
+    floats = torch.zeros(2, 1, 9, 9, dtype=torch.float64).masked_fill(~keep, torch.finfo(torch.float64).min)
+    sdpa = lambda q, k, v, m=None, causal=False, scale=None: F.scaled_dot_product_attention(  # noqa: E731
+        q, rep(k), rep(v), m, is_causal=causal, scale=scale)
+    cases = [(dict(attention_mask=None), sdpa(q, k, v, causal=True)),
+             (dict(attention_mask=None, is_causal=True, scaling=0.3), sdpa(q, k, v, causal=True, scale=0.3)),
+             (dict(attention_mask=keep), reference(q, rep(k), rep(v), keep=keep)),
+             (dict(attention_mask=floats), sdpa(q, k, v, floats)),
+             (dict(attention_mask=None, position_ids=torch.arange(9), use_cache=False, cu_seq_lens_q=None),
+              sdpa(q, k, v, causal=True))]
+    with sdpa_kernel(SDPBackend.MATH):
+        for kw, want in cases:
+            out, weights = mt.hf_attention(module, q, k, v, **kw)
+            assert out.shape == (2, 9, 4, 8) and weights is None
+            torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-10, rtol=0, msg=lambda m: f"{kw}: {m}")
+        step, _ = mt.hf_attention(module, q[:, :, -1:], k, v, None)  # one query: no causality, all keys seen
+        torch.testing.assert_close(step, sdpa(q[:, :, -1:], k, v).transpose(1, 2), atol=1e-10, rtol=0)
+        cut, _ = mt.hf_attention(module, q[:, :, :5], k, v, None)  # prefill of a cache longer than the queries
+        torch.testing.assert_close(cut, sdpa(q[:, :, :5], k[:, :, :5], v[:, :, :5], causal=True).transpose(1, 2),
+                                   atol=1e-10, rtol=0)
+        bias = torch.randn(1, 4, 9, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(42))
+        out, _ = mt.hf_attention(module, q, k, v, keep, position_bias=bias)
+        want = sdpa(q, k, v, bias.masked_fill(~keep, -math.inf))
+        torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-10, rtol=0)
+    softcap = lambda s: 2.0 * torch.tanh(s / 2.0)  # noqa: E731
+    block_mask = mt.create_block_mask(lambda b, h, qi, ki: (ki <= qi) & real[b, ki], 2, None, 9, 9, BLOCK_SIZE=4)
+    for mask in (keep, block_mask):  # Gemma 2's softcap, beside sdpa_mask's mask or a BlockMask
+        out, _ = mt.hf_attention(module, q, k, v, mask, softcap=2.0)
+        want = dense_flex(q, k, v, softcap, keep.expand(2, 4, 9, 9))
+        torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-10, rtol=0)
+    causal = lambda b, h, qi, ki: ki <= qi  # noqa: E731  Hugging Face's causal_mask_function
+    for offset in (0, 3):  # a prefill, and queries after 3 cached keys: its padding mask covers all 12
+        padding = torch.cat([torch.ones(2, 3, dtype=torch.long), real.long()], 1)[:, 3 - offset:]
+        blocks = mt.hf_block_mask(2, 9 - offset, 9, offset, 0, causal, padding)
+        bools = ((torch.arange(9)[None, :] <= torch.arange(offset, 9)[:, None]) & padding[:, None, None, :9].bool())
+        qs = q[:, :, offset:]
+        torch.testing.assert_close(mt.hf_attention(module, qs, k, v, blocks)[0],
+                                   mt.hf_attention(module, qs, k, v, bools)[0], atol=1e-10, rtol=0)
+    module.is_causal = False  # an encoder's
+    out, _ = mt.hf_attention(module, q, k, v, None)
+    torch.testing.assert_close(out, sdpa(q, k, v).transpose(1, 2), atol=1e-10, rtol=0)
+    with pytest.raises(ValueError, match="no attention sinks"):
+        mt.hf_attention(module, q, k, v, None, s_aux=torch.zeros(4))
+
+
 def test_create_block_mask_gives_torchs_blocks():
     # every mask of the set, B and H None or given (a mask_mod reading b and h), awkward lengths and rectangular
     # blocks: the same partial and full blocks as torch's create_block_mask, and the same to_dense()
