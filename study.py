@@ -434,20 +434,27 @@ def measure_compare(spec):
 
 
 def measure_matmul(spec):
-    """TFLOP/s of a square matmul in the sweep's dtype: the practical ceiling of this device. The best
-    rate over `seconds` of repeats: on a shared machine, the one least disturbed by other work."""
-    device, dtype, N = torch.device(spec["device"]), getattr(torch, spec["dtype"]), spec["N"]
-    a, b = (torch.randn(N, N, device=device).to(dtype) for _ in range(2))
-    for _ in range(2):
-        a @ b
-    _sync(device)
+    """TFLOP/s of a square matmul in the sweep's dtype: the practical ceiling of this device. The best rate over
+    `seconds` of repeats (on a shared machine, the one least disturbed by other work), at size N, or smaller
+    where one product of the doubling sizes from 128 would take over a twentieth of `seconds`: a dtype the
+    device only emulates (bfloat16 on a CPU without native support: a minute at 2048) is timed in seconds."""
+    device, dtype, N = torch.device(spec["device"]), getattr(torch, spec["dtype"]), 128
+    while True:
+        a, b = (torch.randn(N, N, device=device).to(dtype) for _ in range(2))
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b  # also the warm-up
+        _sync(device)
+        if N >= spec["N"] or time.perf_counter() - t0 > spec["seconds"] / 20:
+            break
+        N *= 2
     times, t_end = [], time.perf_counter() + spec["seconds"]
     while len(times) < 5 or time.perf_counter() < t_end:
         t0 = time.perf_counter()
         a @ b
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return {"tflops": 2 * N**3 / min(times) / 1e12}
+    return {"tflops": 2 * N**3 / min(times) / 1e12, "N": N}
 
 
 def native_bf16():
@@ -1339,7 +1346,11 @@ def predict(args, device, lengths, series, batch, modes):
     dtype = choose_dtype(args.dtype, device, True)
     budget = args.mem_budget or (CPU_BUDGET_GIB if cpu else None)
     spec = {"device": device.type, "dtype": dtype, "N": 2048 if cpu else 8192, "seconds": 1.0}
-    rate = measure_matmul(spec)["tflops"] if cpu or torch.cuda.is_available() else None
+    rate = measure_matmul(spec) if cpu or torch.cuda.is_available() else None
+    if rate and rate["N"] < spec["N"]:
+        print(f"({dtype} products were slow here: the rate is a {rate['N']} x {rate['N']} product's, not "
+              f"{spec['N']} x {spec['N']}; this device emulates {dtype})")
+    rate = rate and rate["tflops"]
     cost_model.predict(points(args, device.type, dtype, lengths, series, batch, modes), device.type, dtype, budget,
                        rate, args.causal)
 

@@ -4171,7 +4171,7 @@ def test_memory_model_predicts_the_allocators_peak():
 def test_predict_prints_every_series_and_mode_with_counts_made_here(capsys, monkeypatch):
     # FLOPs and the time bound from FlashAttention's count written out here (pairs by brute force), naive's peak
     # from its two score matrices; the other peaks are checked against the allocator at shapes this machine runs
-    monkeypatch.setattr(study, "measure_matmul", lambda spec: {"tflops": 0.5})  # this machine's rate, measured
+    monkeypatch.setattr(study, "measure_matmul", lambda spec: {"tflops": 0.5, "N": spec["N"]})  # this machine's rate, measured
     n, B, H, D, w = 32768, 8, 16, 128, 256
     i = torch.arange(n, dtype=torch.float64)
     pairs = {"naive": n * n, "chunked": n * n, "flash": n * n, "chunked-causal": n * n / 2, "flash-window256": n * n,
@@ -4207,7 +4207,7 @@ def test_predict_names_the_kernel_torch_chose_on_a_gpu(capsys, monkeypatch):
     # cuDNN's, and it says that cuDNN's workspace is not modelled
     monkeypatch.setattr(study.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(study.torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(study, "measure_matmul", lambda spec: {"tflops": 100.0})
+    monkeypatch.setattr(study, "measure_matmul", lambda spec: {"tflops": 100.0, "N": spec["N"]})
     monkeypatch.setattr(cost_model, "_asked_kernel", lambda point: "cudnn")
     study.main(["--predict", "--device", "cuda", "--lengths", "4096", "--dtype", "bfloat16", "--series", "flash"])
     lines = capsys.readouterr().out.strip().splitlines()
@@ -4223,7 +4223,7 @@ def test_predict_names_the_kernel_torch_chose_on_a_gpu(capsys, monkeypatch):
 def test_predict_meets_the_allocators_peak_where_this_machine_runs_it(series, B, H, n, capsys, monkeypatch):
     # what --predict prints against the peak the allocator records for the same call here (D=64, float32, peaks of
     # 16 MiB or more), both modes, within 3%
-    monkeypatch.setattr(study, "measure_matmul", lambda spec: {"tflops": 0.5})  # the time bound is not checked here
+    monkeypatch.setattr(study, "measure_matmul", lambda spec: {"tflops": 0.5, "N": spec["N"]})  # the time bound is not checked here
     study.main(["--predict", "--device", "cpu", "--lengths", str(n), "--batch", str(B), "--heads", str(H),
                 "--series", series])
     lines = capsys.readouterr().out.strip().splitlines()[1:]
@@ -4766,6 +4766,15 @@ def test_native_bf16_ignores_emulation(monkeypatch):
     for capability, native in [((7, 5), False), ((8, 0), True), ((9, 0), True)]:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=capability: c)
         assert study.native_bf16() is native
+
+
+def test_the_matmul_rate_never_times_a_slow_product_for_minutes():
+    # where one product of the doubling sizes would take over a twentieth of the time allowed (a dtype the device
+    # emulates: bfloat16 on a CPU without native support, a minute at 2048 there), the rate is a smaller size's;
+    # else the size asked for
+    slow = study.measure_matmul({"device": "cpu", "dtype": "float32", "N": 2048, "seconds": 1e-9})
+    assert slow["N"] == 128 and slow["tflops"] > 0
+    assert study.measure_matmul({"device": "cpu", "dtype": "float32", "N": 256, "seconds": 60.0})["N"] == 256
 
 
 def test_gpu_check_script_is_runnable_bash_that_installs_nothing():
