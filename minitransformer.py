@@ -65,19 +65,19 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 from torch.nn.attention.flex_attention import AuxOutput, BlockMask
 
 # core begins
-# Attention in its plainest correct form, forward and backward, with SDPA's conventions: q (B, H, Lq, D), k
-# (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv), or any leading dimensions, as many in q, k and v
-# (D: the tutorials' d_k; H_kv: H, or a divisor of H, query head h reading K/V head h // (H / H_kv)); a bool
-# attn_mask, True where a query may attend, broadcast to (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk));
-# is_causal: query i sees keys j <= i, top-left as SDPA's (bottom-right, a KV cache's: the hardened paths).
-# A query that sees no key gets 0. float32 or float64 only.
+# Attention in its plainest correct form, forward and backward, with the conventions of torch's SDPA
+# (F.scaled_dot_product_attention): q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq,
+# Dv), or any leading dimensions, as many in q, k and v (D: the tutorials' d_k). H_kv = H as in the paper, or
+# fewer, shared (grouped-query attention): query head h reads K/V head h // (H / H_kv). A bool attn_mask, True
+# where a query may attend, broadcast to (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk)); is_causal: query i sees
+# keys j <= i (a KV cache's queries align the other way: the hardened paths). No key seen: 0. float32/64 only.
 
 
 def standard_attention(q, k, v, attn_mask=None, is_causal=False):
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(D) + M) V,  M = 0 where a query may see a key, else -inf.
 
     The scores exist whole: B * H * Lq * Lk numbers, the memory that blockwise_attention saves."""
-    k, v = _repeat_kv(q, k, v, attn_mask)  # (B, H, Lk, D): the K/V head of every query head
+    k, v = _repeat_kv(q, k, v, attn_mask)  # inputs checked; (B, H, Lk, D): the K/V head of each query head
     s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # S = Q K^T / sqrt(D), (B, H, Lq, Lk)
     if is_causal:  # query i sees the keys j <= i
         later = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)  # (Lq, Lk): j > i
@@ -104,9 +104,9 @@ class BlockwiseAttention(torch.autograd.Function):
         dS = P * (dP - Delta),   dQ_i += dS K_j / sqrt(D),   dK_j += dS^T Q_i / sqrt(D).
 
     So memory is linear in the length: per query m, l, o and lse, and a few tiles of one block (S and P~
-    in the forward; P, dP, dS in the backward), beside the attn_mask passed in. With is_causal the blocks
-    of keys that lie wholly after a block of queries are skipped.
-    """
+    in the forward; P, dP, dS in the backward), beside the attn_mask passed in; with is_causal the key
+    blocks wholly after a query block are skipped. A torch.autograd.Function: forward saves in ctx what
+    backward needs, and autograd calls backward with dO, the loss's gradient with respect to O."""
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, is_causal, block_size):
@@ -174,9 +174,9 @@ def _block_scores(q, k, keep, is_causal, rows, cols):
 
 
 def _repeat_kv(q, k, v, attn_mask):
-    """k and v with a head for every query head h, K/V head h // G (grouped-query attention, G = H / H_kv, on
-    the head axis of (B, H, L, D) only). Refused: 16 bits and autocast (their sums are far off), a float
-    attn_mask, a K/V of another rank (it would broadcast across the batch)."""
+    """The core's inputs checked, then k and v with a head for every query head h: K/V head h // G (grouped-
+    query attention, G = H / H_kv, on the head axis of (B, H, L, D) only). Refused: 16 bits and autocast
+    (their sums are far off), a float attn_mask, a K/V of another rank (it would broadcast over the batch)."""
     autocast = torch.is_autocast_enabled(q.device.type)
     if q.dtype not in (torch.float32, torch.float64) or autocast:
         raise TypeError(f"the core computes in float32 or float64 outside autocast, got {q.dtype}"
@@ -199,7 +199,7 @@ def _blocks(L, size):
 # -----------------------------------------------------------------------------
 # The model: multi-head attention, positional encodings, the encoder layer, the config and the encoder. Its
 # attention goes through attention(), a path of the appendix (impl=) or a function of yours; it also uses the
-# appendix's documents, mask_block, naive_attention and the checks.
+# appendix's documents, Visibility, naive_attention and the checks.
 
 IMPLS = ("naive", "chunked", "flash")
 POS_ENCODINGS = ("sinusoidal", "learned", "rope", "alibi")
@@ -299,7 +299,7 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:  # all its slots, through one mask: causality, window, ALiBi by position
                 slopes = _check_alibi(kw["alibi_slopes"], q)  # (1, nh, 1, 1), in q's precision
                 k, v, attn_mask = cache.update(k, v, positions, attn_mask, self.window_size, slopes)
-                is_causal, kw["window_size"], kw["alibi_slopes"] = False, None, None
+                is_causal, kw["window_size"], kw["alibi_slopes"] = False, None, None  # in attn_mask now
             p = self.dropout if self.training else 0.0
             if need_weights:  # only the naive path materialises the weights
                 y, weights = naive_attention(q, k, v, attn_mask, p, is_causal, **kw)
@@ -334,11 +334,11 @@ class KVCache:
     step has one shape, one graph and no host read: k, v (B, n_kv_heads, max_len, hs); `length`, the slots
     written in every row; `pos` (B, max_len), where each slot's token sits, counting its row's real tokens
     (Hugging Face's cumsum(mask) - 1), or max_len where it holds none (padding, a dropped token, a slot not
-    yet written): after every query, so causality hides it. attn_mask: a call's key padding, (B, 1, 1, T)
-    bool, which the cache keeps, or a mask over the max_len slots for that call (T = max_len: key padding).
-    A call that raises leaves the cache as it was (its length, its positions, and so what any query sees:
-    the keys and values of slots past its length are never read) on a CPU in eager mode; compiled or on
-    CUDA, a device-side assert may stand in, the cache then unspecified."""
+    yet written): after every query, so causality hides it; `tokens` (B, 1), each row's real tokens so far.
+    attn_mask: a call's key padding, (B, 1, 1, T) bool, which the cache keeps, or a mask over the max_len
+    slots for that call (T = max_len: key padding). A call that raises leaves the cache as it was (its
+    length, its positions, and so what any query sees: the keys and values of slots past its length are
+    never read) on a CPU in eager mode; compiled or on CUDA, a device-side assert may stand in."""
 
     def __init__(self, batch_size, n_kv_heads, max_len, head_size, device=None, dtype=None):
         self.k = torch.zeros(batch_size, n_kv_heads, max_len, head_size, device=device, dtype=dtype)
@@ -355,12 +355,14 @@ class KVCache:
 
     def rollback(self, n):
         """Drop the last n slots, each row's next position going back by its real tokens among them; or, n a
-        (B,) integer tensor, each row b its own last n[b] tokens, which become padding (batched speculative
-        decoding: every row keeps the drafts it accepted, the next call's tokens continue each row's
-        positions)."""
+        (B,) integer tensor, each row b its own last n[b] tokens, which become padding. Batched speculative
+        decoding: a small model drafts a few tokens per row, one call of the model checks them all, and each
+        row keeps the drafts it accepted; the next call's tokens continue each row's positions."""
         L, (B, _) = self.pos.size(-1), self.pos.shape
         if torch.is_tensor(n) and n.shape == (B,) and not (n.is_floating_point() or n.dtype == torch.bool):
-            kept = self.tokens - n[:, None].to(self.tokens.device)  # (B, 1): row b keeps positions < kept
+            n = n[:, None].to(self.tokens.device)  # (B, 1)
+            _check_range(n, 0, math.inf, "rollback's n[b], the tokens each row drops,")
+            kept = self.tokens - n  # row b keeps positions < kept
             _check_range(kept, 0, math.inf, "each row's tokens less the n[b] to drop")
             self.pos.masked_fill_(self.pos >= kept, L)
             self.tokens.copy_(kept)
@@ -476,7 +478,8 @@ class LearnedPositionalEncoding(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE: rotate each pair (x_i, x_{i+hs/2}) of q and k by the angle pos * 10000^(-2i/hs).
+    """RoPE: rotate each pair (x_i, x_{i+hs/2}) of q and k by the angle pos * 10000^(-2i/hs) (the paper pairs
+    (x_{2i}, x_{2i+1}); halves, as Llama and GPT-NeoX: the same attention, the dimensions permuted).
 
     x: (B, nh, T, hs) -> same shape. The score q_m . k_n then depends on positions
     only through m - n, so no position is added to the token embedding.
@@ -639,7 +642,7 @@ class Encoder(nn.Module):
                          alibi=c.pos_encoding == "alibi", n_kv_heads=c.n_kv_heads, score_mod=score_mod)
             for _ in range(c.n_layers))
         self.norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps) if c.norm_first else nn.Identity()
-        user = getattr(score_mod, "__self__", score_mod)  # a score_mod module keeps its own initialisation
+        user = getattr(score_mod, "__self__", score_mod)  # a score_mod module keeps its own init (a table)
         theirs = set(user.modules()) if isinstance(user, nn.Module) else set()
         for module in (m for m in self.modules() if m not in theirs):
             self._init_weights(module)
@@ -674,7 +677,7 @@ class Encoder(nn.Module):
         KVCache)."""
         _check_caches(self, idx, cache, positions)
         if (positions is None) and (cu_seqlens is not None) and (self.config.pos_encoding != "alibi"):
-            positions = documents(cu_seqlens, idx.size(1), idx.device)[1]  # (T,): ALiBi reads the documents
+            positions = documents(cu_seqlens, idx.size(1), idx.device)[1]  # (T,); ALiBi: cu_seqlens itself
         caches = [None] * len(self.layers) if cache is None else cache
         with _all_or_nothing(caches):  # a call that raises leaves every cache as it was
             if cache is not None:  # (B, T): each row's own, the same in every layer's cache (_check_caches)
@@ -1291,7 +1294,7 @@ class Visibility:
     shift: int = 0
     positions: Optional[tuple] = None
     attn_mask: Optional[torch.Tensor] = None
-    base: float = 1.0  # of the scores in scores(): log2(e) on the chunked path, but with a score_mod
+
     score_mod: Optional["_Mod"] = None
     mask_mod: Optional["_Mod"] = None
     plan: Optional[dict] = None
@@ -1324,35 +1327,29 @@ class Visibility:
         return keep
 
     def scores(self, s, rows, cols, backward=False):
-        """A chunked block's scores s (B, H, rows, cols), made in self.base: the biases added, score_mod
-        applied, -inf where a key is hidden (FlexAttention's order), in base 2; backward: also the pullback of
-        their gradient through score_mod (None: the identity)."""
-        ij, m, keep, pullback = None, self._attn_mask(rows, cols), self.keep(rows, cols, s.device), None
-        for rule in self.rules:
-            if rule.score is not None:
-                ij = ij or self._positions(rows, cols, s.device)
-                s = rule.score(s, *ij)
-        if m is not None and m.is_floating_point():  # clamped finite, but -inf
-            bias = _finite_bias(m, s.dtype, self.base)
-            if self.score_mod is None:
-                s = s.add_(bias)
-            else:  # -inf hides a key after score_mod
-                keep = ~torch.isneginf(bias) if keep is None else keep & ~torch.isneginf(bias)
-                s = s.add_(bias.masked_fill(torch.isneginf(bias), 0.0))
-        if self.plan is not None:
-            keep = self._block_mask(keep, rows, cols)
-        mod = self.score_mod
+        """A chunked block's scores s (B, H, rows, cols), q.k * scale made in base 2, or in nats for a
+        score_mod that is not a bias: score_mod applied first (it sees torch's flex's score), then in base 2
+        the rules' biases and a float attn_mask added (after a softcap, as Hugging Face's models add theirs),
+        -inf where a key is hidden; backward: also the pullback of their gradient through score_mod (None:
+        the identity)."""
+        mod, pullback = self.score_mod, None
         if mod is not None and mod.bias is not None:  # score + f: f added in place, in base 2
             s = s.add_(mod.bias(None, *mod.indices(rows, cols), *self.score_inputs), alpha=mod.sign * LOG2E)
             if backward and mod.learned(self.score_inputs):
                 pullback = self._bias_pullback(rows, cols)
         elif mod is not None:  # in nats, then base 2 in a new tensor: the mod's result may be a view
-            if backward:
-                s, pullback = self._pullback(s, rows, cols)
-            else:
-                s = mod(s, rows, cols, self.score_inputs)
-            s = s * LOG2E if keep is None else s.masked_fill(~keep, -math.inf).mul_(LOG2E)
-            return (s, pullback) if backward else s
+            s, pullback = self._pullback(s, rows, cols) if backward else (
+                mod(s, rows, cols, self.score_inputs), None)
+            s = s * LOG2E
+        ij, m, keep = None, self._attn_mask(rows, cols), self.keep(rows, cols, s.device)
+        for rule in self.rules:
+            if rule.score is not None:
+                ij = ij or self._positions(rows, cols, s.device)
+                s = rule.score(s, *ij)
+        if m is not None and m.is_floating_point():  # clamped finite, but -inf
+            s = s.add_(_finite_bias(m, s.dtype, LOG2E))
+        if self.plan is not None:
+            keep = self._block_mask(keep, rows, cols)
         s = s if keep is None else s.masked_fill_(~keep, -math.inf)
         return (s, pullback) if backward else s
 
@@ -1601,15 +1598,15 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
             _drop(dp, keep).mul_(1.0 / (1.0 - opts.dropout_p))
         dv[:, :, cols] += _matmul(_per_kv_head(p_dropped.to(q.dtype), k).transpose(-2, -1), dout_i)  # over G
         ds = p.mul_(dp.sub_(delta))  # dS_j
-        if pullback is not None:  # back through score_mod; the tensors it reads get theirs (_Mods._pullback)
-            ds = pullback(ds)
-        ds_low = _per_kv_head(ds.to(q.dtype), k)  # rounded to the inputs' dtype for the products, as P is
-        dq[:, :, rows] += _matmul(ds_low, k[:, :, cols]).view(p.shape[:-1] + (-1,))
-        dk[:, :, cols] += _matmul(ds_low.transpose(-2, -1), q_i)
         if dmask is not None:  # the mask is added to the scores: its gradient is dS, summed where broadcast
             dm = dmask[..., rows if dmask.size(-2) != 1 else slice(None), :]
             dm = dm[..., cols] if dmask.size(-1) != 1 else dm
             dm += ds.sum_to_size(dm.shape)
+        if pullback is not None:  # back through score_mod; the tensors it reads get theirs (Visibility)
+            ds = pullback(ds)
+        ds_low = _per_kv_head(ds.to(q.dtype), k)  # rounded to the inputs' dtype for the products, as P is
+        dq[:, :, rows] += _matmul(ds_low, k[:, :, cols]).view(p.shape[:-1] + (-1,))
+        dk[:, :, cols] += _matmul(ds_low.transpose(-2, -1), q_i)
 
 
 def chunked_backward(dout, q, k, v, out, m, log2_l, dq, dk, dv, dmask, opts, cq):
@@ -1640,7 +1637,8 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     from the device's generator. return_lse: also lse = log sum_j exp(S_ij), (B, H, Lq), float32 or wider,
     -inf where a query sees no key, differentiable: attention over disjoint sets of keys merges exactly by it,
     as strided attention does (the ring's steps merge by the same rule, inside the block update). score_mod
-    and a BlockMask as attn_mask: FlexAttention's (flex_attention), score_mod after ALiBi's bias."""
+    and a BlockMask as attn_mask: FlexAttention's (flex_attention); score_mod sees q.k * scale, before ALiBi
+    and a float attn_mask are added."""
     block_mask, attn_mask = (attn_mask, None) if isinstance(attn_mask, BlockMask) else (None, attn_mask)
     q, k, v, attn_mask, is_causal, shift, scale = _attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
@@ -1650,10 +1648,11 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     if score_mod is not None or block_mask is not None:  # Python functions: no custom operator takes them
         cq, ck = (cq, ck) if block_mask is None else _check_block_mask(block_mask, q, k)
         shape, mods = (*q.shape[:-1], k.size(-2)), {}
+        grad = any(t is not None and t.requires_grad for t in (q, k, v, attn_mask))  # the backward's mods
         if score_mod is not None:
-            mods.update(score_mod=_Mod(score_mod, "score_mod", shape, q.device, q.dtype))
+            mods.update(score_mod=_Mod(score_mod, "score_mod", shape, q.device, q.dtype, grad))
         if block_mask is not None:
-            mods.update(mask_mod=_Mod(block_mask.mask_mod, "mask_mod", shape, q.device, q.dtype),
+            mods.update(mask_mod=_Mod(block_mask.mask_mod, "mask_mod", shape, q.device, q.dtype, grad),
                         plan=_block_plan(block_mask, k.size(-2)))
         nats = score_mod is not None and mods["score_mod"].bias is None  # what a score_mod (no bias) reads
         opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens,
@@ -1679,10 +1678,11 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     key is seen, are written for one score, as torch's: score float32 (float64 for float64), h the query
     head, the indices int32. Each is traced once a call into a graph whose every tensor read is an input: the
     backward computes with the forward's function and tensors (one changed in place since: autograd's error),
-    and the tensors score_mod reads get their gradients. block_mask (create_block_mask) holds mask_mod and the
-    key blocks each block of queries visits; mask_mod runs in its partial ones only, as in torch's compiled
-    kernels. return_lse, or return_aux=AuxRequest(lse=True): also lse (B, H, Lq), -inf where a query sees no
-    key (its output 0). kernel_options is ignored."""
+    and the tensors score_mod reads get their gradients; a mod torch.fx cannot trace (a Python if on a
+    tensor) runs only without gradients. block_mask (create_block_mask) holds mask_mod and the key blocks
+    each block of queries visits; mask_mod runs in its partial ones only, as in torch's compiled kernels.
+    return_lse, or return_aux=AuxRequest(lse=True): also lse (B, H, Lq), -inf where a query sees no key (its
+    output 0). kernel_options is ignored."""
     if block_mask is not None and not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be torch's BlockMask, not a {type(block_mask).__name__}")
     if any(t.is_nested for t in (query, key, value)):
@@ -1713,9 +1713,9 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     _compile changes nothing."""
     B, H, (cq, ck) = B or 1, H or 1, (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else BLOCK_SIZE
     nk, counts = -(-KV_LEN // ck), []  # ceil(KV_LEN / ck) key blocks; per row of blocks, the keys they show
-    mod = _Mod(mask_mod, "mask_mod", (B, H, Q_LEN, KV_LEN), device, torch.float32, trace=False)
+    mod = _Mod(mask_mod, "mask_mod", (B, H, Q_LEN, KV_LEN), device, torch.float32)
     for rows in _blocks(Q_LEN, cq):
-        seen = mod(None, rows, slice(0, KV_LEN), ()).expand(B, H, rows.stop - rows.start, KV_LEN)
+        seen = mod(None, rows, slice(0, KV_LEN), mod.inputs).expand(B, H, rows.stop - rows.start, KV_LEN)
         seen = F.pad(seen, (0, nk * ck - KV_LEN))
         counts.append(seen.view(B, H, rows.stop - rows.start, nk, ck).sum((2, 4)))  # padding: keys none shows
     counts = torch.stack(counts, 2)  # (B, H, nq, nk)
@@ -1734,9 +1734,9 @@ def hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling
     Contract: sdpa_attention_forward's, query (B, H, L, D), key and value (B, H_kv, Lk, D) -> ((B, L, H, D),
     None). attention_mask: sdpa_mask's bool (B, 1, L, Lk), eager_mask's float (finfo.min where hidden), a
     BlockMask, or None: causal as the SDPA route decides (is_causal=, else module.is_causal, with more than
-    one query; top-left). softcap: Gemma 2's tanh softcap, as a score_mod; position_bias: added to the
-    scores; a sliding window: the mask's own. Sinks (s_aux) are refused; other keywords (position_ids, ...)
-    are not used."""
+    one query; top-left). softcap: Gemma 2's tanh softcap, as a score_mod, the mask added after it (HF's
+    order); position_bias: added to the scores; a sliding window: the mask's own. Sinks (s_aux) are
+    refused; other keywords (position_ids, ...) are not used."""
     if kwargs.get("s_aux") is not None:
         raise ValueError("hf_attention has no attention sinks (s_aux): use the model's eager attention")
     is_causal = kwargs.get("is_causal")
@@ -1747,10 +1747,12 @@ def hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling
     bias, cap = kwargs.get("position_bias"), kwargs.get("softcap")
     if bias is not None and isinstance(attention_mask, BlockMask):
         raise ValueError("hf_attention: position_bias beside a BlockMask; register sdpa_mask or eager_mask")
-    if bias is not None:  # a float mask, -inf where attention_mask hides a key
+    if bias is not None:  # a float mask, HF's smallest float where attention_mask hides a key
         bias, mask = bias[..., :key.size(2)], attention_mask
-        if mask is not None:
-            bias = bias + mask if mask.is_floating_point() else bias.masked_fill(~mask, -math.inf)
+        if mask is not None and mask.is_floating_point():
+            bias = bias + mask
+        elif mask is not None:
+            bias = bias.masked_fill(~mask, max(torch.finfo(key.dtype).min, torch.finfo(bias.dtype).min))
         attention_mask = bias
     softcap = None if cap is None else lambda s, b, h, i, j: cap * torch.tanh(s / cap)
     out = chunked_attention(query, key, value, attention_mask, dropout, is_causal, scaling,
@@ -1762,8 +1764,12 @@ def hf_block_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
                   attention_mask=None, device="cpu", **kwargs):
     """Hugging Face's mask interface (AttentionMaskInterface) as a BlockMask that create_block_mask builds in
     linear memory: mask_function (causal, a window, documents: HF's) and attention_mask's key padding (B,
-    its offset + kv_length), the queries and keys at q_offset and kv_offset. Register it beside hf_attention
-    for linear memory: sdpa_mask's bool mask holds L x L bytes."""
+    up to kv_offset + kv_length; keys past its end hidden, as HF pads it for a static cache), the queries
+    and keys at q_offset and kv_offset. Register it beside hf_attention for linear memory: sdpa_mask's
+    bool mask holds L x L bytes."""
+    if attention_mask is not None and attention_mask.size(-1) < kv_offset + kv_length:  # a static cache's
+        attention_mask = F.pad(attention_mask, (0, kv_offset + kv_length - attention_mask.size(-1)))
+
     def mask_mod(b, h, q_idx, kv_idx):
         seen = mask_function(b, h, q_idx + q_offset, kv_idx + kv_offset)
         return seen if attention_mask is None else seen & attention_mask[b, kv_idx + kv_offset].bool()
@@ -1793,10 +1799,10 @@ def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_siz
                   alibi_slopes=None, shift=0, base=LOG2E, **mods):
     """The BlockOptions of a call: its named arguments as rules (the slopes in the scores' base), composed
     with its attn_mask and a user's mods (Visibility's score_mod, mask_mod, plan)."""
-    slopes = None if alibi_slopes is None else alibi_slopes * base
+    slopes = None if alibi_slopes is None else alibi_slopes * LOG2E
     rules = named_rules(is_causal, window_size, cu_seqlens, slopes, q.size(-2), q.device)
     inputs = getattr(mods.get("score_mod"), "inputs", ())
-    vis = Visibility(rules, shift, attn_mask=attn_mask, base=base, score_inputs=inputs, **mods)
+    vis = Visibility(rules, shift, attn_mask=attn_mask, score_inputs=inputs, **mods)
     hashes = _dropout_hashes(seed, *q.shape[:3], k.size(-2)) if dropout_p > 0.0 else (None, None)
     return BlockOptions(scale, ck, vis, dropout_p, *hashes, base=base)
 
@@ -1930,46 +1936,47 @@ class _Mod:
     a value it computes from them) becomes an argument of the graph, `inputs`. The forward and the backward
     then call one graph on the same tensors, which autograd saves, and the gradients of those that require
     grad are the graph's, summed over the blocks and handed back to autograd once, hooks included. A mod that
-    torch.fx cannot trace runs as written if it reads no tensor that requires grad; so does any mod under
-    torch.compile, which inlines it. Each block calls it on broadcast indices b (B, 1, 1, 1), h (1, H, 1, 1),
-    q_idx (1, 1, rows, 1), kv_idx (1, 1, 1, cols), int32 as torch's, where on a small block that gives what
-    torch's vmap over every index gives (comparisons, arithmetic, a table indexed by all the indices at once);
-    else vmapped, as torch runs it. A score_mod score + f(b, h, q_idx, kv_idx) (ALiBi, a relative table) is
-    run as its bias f (bias, sign). shape: (B, H, Lq, Lk) of the call."""
+    torch.fx cannot trace runs as written only where no backward will call it again (grad: whether one may);
+    any mod under torch.compile, which inlines it, runs as written. Each block calls it on broadcast indices
+    b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, rows, 1), kv_idx (1, 1, 1, cols), int32 as torch's, where
+    its graph works element by element (_elementwise: arithmetic, comparisons, a table indexed by all the
+    indices at once); else vmapped, as torch runs it. A score_mod score + f(b, h, q_idx, kv_idx) (ALiBi, a
+    relative table) is run as its bias f (bias, sign). shape: (B, H, Lq, Lk) of the call."""
 
-    def __init__(self, mod, name, shape, device, dtype, trace=True):
+    def __init__(self, mod, name, shape, device, dtype, grad=False):
         if isinstance(mod, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):  # as torch's flex_attention
             raise ValueError(f"{name}: a TorchScript function, which cannot be traced: pass it as Python")
         self.name, self.score, self.fn, self.inputs, self.in_place = name, name == "score_mod", mod, (), True
         self.b, self.h = (torch.arange(n, device=device, dtype=torch.int32) for n in shape[:2])
-        self.bias, self.sign, compiling, untraced = None, 0, torch.compiler.is_compiling(), None
-        if trace and not compiling:
+        self.bias, self.sign, gm, untraced = None, 0, None, None
+        if not torch.compiler.is_compiling():
             try:
-                self.fn, reads = _traced(mod, self.score)
-            except Exception as e:  # run as written, where it reads nothing that requires grad
+                gm, reads = _traced(mod, self.score)
+            except Exception as e:
                 untraced = e
             else:  # an inference tensor has no version to check: its values now
-                self.inputs = tuple(t.clone() if t.is_inference() else t for t in reads)
+                self.fn, self.inputs = gm.forward, tuple(t.clone() if t.is_inference() else t for t in reads)
                 self.in_place = any(n.op == "call_method" and n.target[-1] == "_" != n.target[-2]
-                                    for n in self.fn.graph.nodes)  # a method such as add_: it edits its score
+                                    for n in gm.graph.nodes)  # a method such as add_: it edits its score
                 subclass = next((t for t in reads if type(t) not in (torch.Tensor, nn.Parameter)), None)
                 if self.score and subclass is not None:  # its __torch_function__ may read what no graph shows
                     raise ValueError(f"score_mod reads a {type(subclass).__name__}, a tensor subclass: pass "
                                      "a plain tensor")
-                self.bias, self.sign = _additive(self.fn) if self.score else (None, 0)
+                self.bias, self.sign = _additive(gm) if self.score else (None, 0)
         self.vmapped = self.fn
         for n in (3, 2, 1, 0):  # kv_idx innermost, b outermost; the score mapped along with each
             dims = tuple(0 if d == n else None for d in range(4)) + (None,) * len(self.inputs)
             self.vmapped = torch.vmap(self.vmapped, in_dims=(0,) * self.score + dims)
-        learned = trace and self.score and (compiling or untraced) and torch.is_grad_enabled()
-        if learned and self._learned(dtype) and untraced:
-            raise ValueError(f"score_mod reads a tensor that requires grad, and torch.fx cannot trace it to "
-                             f"make that tensor an input of the attention: {untraced}")
-        if learned and self._learned(dtype):
+        learned = self.score and torch.is_grad_enabled() and gm is None and self._learned(dtype)
+        if untraced is not None and torch.is_grad_enabled() and (grad or learned):
+            raise ValueError(f"{name}: torch.fx cannot trace it ({untraced}), and the backward calls it "
+                             "again on the tensors it read, which only a trace finds: write it with torch "
+                             "functions (torch.where for an if on a tensor), or call it without gradients")
+        if learned:
             raise ValueError("under torch.compile, score_mod may read no tensor that requires grad: finding "
                              "it takes torch.fx, which runs outside the compiled graph (compile around the "
                              "attention: torch.compiler.disable)")
-        self.broadcast = not compiling and self._broadcasts(shape, dtype)
+        self.broadcast = gm is not None and _elementwise(gm) and self._broadcasts(shape, dtype)
         self.bias = self.bias if self.broadcast else None
 
     def __call__(self, s, rows, cols, inputs, broadcast=None):
@@ -2003,17 +2010,51 @@ class _Mod:
             return self(s, slice(0, 1), slice(0, 1), self.inputs, broadcast=False).requires_grad
 
     def _broadcasts(self, shape, dtype):
-        """Whether broadcast indices give torch's vmap result, on the first (at most) 4 queries and 5 keys."""
-        rows, cols, dtype = slice(0, min(shape[2], 4)), slice(0, min(shape[3], 5)), torch.promote_types(
-            dtype, torch.float32)
-        s = torch.randn(*shape[:2], rows.stop, cols.stop, generator=torch.Generator().manual_seed(0))
-        s = s.to(self.b.device, dtype) if self.score else None
-        want = self(None if s is None else s.clone(), rows, cols, self.inputs, broadcast=False)  # mods edit s
-        try:
-            got = self(None if s is None else s.clone(), rows, cols, self.inputs, broadcast=True)
-        except Exception:  # indexing by one index at a time (table[q_idx][kv_idx]), say
+        """Whether an element-by-element graph also returns one value per (b, h, q_idx, kv_idx) on broadcast
+        indices where vmap does, on the first (at most) 4 queries and 5 keys: a tensor it reads whole, not
+        indexed (s + table), broadcasts against the block where vmap returns a tensor per element."""
+        rows, cols = slice(0, min(shape[2], 4)), slice(0, min(shape[3], 5))
+        s = torch.zeros(*shape[:2], rows.stop, cols.stop, device=self.b.device,
+                        dtype=torch.promote_types(dtype, torch.float32)) if self.score else None
+        try:  # the shapes alone are checked (__call__): no value is read on the host
+            for broadcast in (False, True):
+                self(None if s is None else s.clone(), rows, cols, self.inputs, broadcast=broadcast)
+        except Exception:  # the vmapped call raises again, by name, where the mod is called
             return False
-        return bool(((got == want) | (got.isnan() & want.isnan()) if self.score else got == want).all())
+        return True
+
+
+# The operations whose broadcast result is, element by element, their result on one element (the in-place
+# methods too: name + "_"); any other on something made from the indices or the score (a reduction, a reshape,
+# a tensor indexed by a slice or twice) runs the mod vmapped.
+_ELEMENTWISE = frozenset("""add sub mul truediv floordiv div mod remainder fmod pow neg pos abs and_ or_ xor
+    invert not_ eq ne lt le gt ge where tanh exp exp2 expm1 log log2 log1p sigmoid sqrt rsqrt sin cos atan
+    sign floor ceil round trunc clamp clamp_min clamp_max clip minimum maximum logical_and logical_or
+    logical_not logical_xor bitwise_and bitwise_or bitwise_xor bitwise_not isnan isinf isneginf isposinf
+    nan_to_num square erf relu softplus gelu silu masked_fill float double half bfloat16 int long bool to
+    type_as""".split())
+_ELEMENTWISE |= {f"__{r}{op}__" for r in ("", "r") for op in "add sub mul truediv floordiv mod pow".split()}
+_ELEMENTWISE |= {f"__{r}{op}__" for r in ("", "r") for op in ("and", "or", "xor")}
+_ELEMENTWISE |= {f"__{op}__" for op in "neg pos abs invert eq ne lt le gt ge".split()}
+
+
+def _elementwise(gm):
+    """Whether the traced mod gm computes each (b, h, q_idx, kv_idx) from that element alone: every operation
+    on something made from its score or indices is in _ELEMENTWISE, or indexes a tensor made from neither by
+    one index tensor or a tuple of them (table[q_idx - kv_idx], table[h, q_idx])."""
+    indexed = {n for n in gm.graph.nodes if n.op == "placeholder" and not n.target.startswith("read")}
+    for n in gm.graph.nodes:
+        if n.op not in ("call_function", "call_method") or not indexed.intersection(n.all_input_nodes):
+            continue
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+        if n.target in (operator.getitem, "__getitem__"):
+            index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+            if n.args[0] in indexed or not all(isinstance(a, (torch.fx.Node, int)) for a in index):
+                return False
+        elif name not in _ELEMENTWISE and not (n.op == "call_method" and name[:-1] in _ELEMENTWISE):
+            return False
+        indexed.add(n)
+    return True
 
 
 def _additive(gm):
@@ -2030,11 +2071,13 @@ def _additive(gm):
     other, sign = (out.args[1], 1 if out.target in adds else -1) if out.args[0] is score else (out.args[0], 1)
     if out.target in subs and out.args[0] is not score or not isinstance(other, torch.fx.Node):
         return None, 0
+    if other is score:  # score + score
+        return None, 0
     graph, copies = torch.fx.Graph(), {}
     graph.graph_copy(gm.graph, copies)
     graph.output(copies[other])
     graph.eliminate_dead_code()
-    return torch.fx.GraphModule(gm, graph), sign
+    return torch.fx.GraphModule(gm, graph).forward, sign
 
 
 class _ReadsAsInputs(torch.fx.Tracer):

@@ -2078,6 +2078,8 @@ def test_rolling_back_drops_each_row_own_tokens(side):
             caches[0].rollback(-1)
         with pytest.raises(ValueError, match=r"each row's tokens less the n\[b\] to drop must lie in \[0, inf\)"):
             caches[0].rollback(torch.tensor([0, 9]))
+        with pytest.raises(ValueError, match=r"rollback's n\[b\], the tokens each row drops, must lie in"):
+            caches[0].rollback(torch.tensor([-2, 0]))  # it would skip positions
         assert_caches_unchanged(caches, before)
 
 
@@ -2312,7 +2314,7 @@ def test_flex_backward_computes_its_forwards_function():
     q.requires_grad_()
     table = torch.randn(2 * L - 1, dtype=torch.float64, requires_grad=True)
     i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
-    with pytest.raises(ValueError, match="score_mod reads a tensor that requires grad, and torch.fx cannot trace"):
+    with pytest.raises(ValueError, match="score_mod: torch.fx cannot trace it"):
         mt.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + (table[qi - ki + L - 1] if s.dtype == torch.float64
                                                                  else 0))
     dq = lambda out, ref: torch.testing.assert_close(  # noqa: E731
@@ -2349,7 +2351,7 @@ def test_flex_backward_computes_its_forwards_function():
     with pytest.raises(ValueError, match="score_mod: a TorchScript function, which cannot be traced"):
         mt.flex_attention(q, k, v, torch.jit.script(LearnedBias(2, L)))
     scaled = Scaled(torch.randn(2 * L - 1, dtype=torch.float64, requires_grad=True), 2.0)  # its read hidden inside
-    with pytest.raises(ValueError, match="score_mod reads a tensor that requires grad, and torch.fx cannot trace"):
+    with pytest.raises(ValueError, match="score_mod: torch.fx cannot trace it"):
         mt.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + scaled[qi - ki + L - 1])
     plain = torch.randn(2 * L - 1, dtype=torch.float64).as_subclass(type("Sub", (torch.Tensor,), {}))
     with pytest.raises(ValueError, match="score_mod reads a Sub, a tensor subclass"):  # one torch.fx traces
@@ -2403,7 +2405,7 @@ def test_flex_gradients_hold_under_dispatch_modes_in_place_mods_and_hidden_reads
     def indexed_out_of_sight(s, b, h, qi, ki):
         with torch._C.DisableTorchFunction():
             return s + table[h, qi - ki + L - 1]
-    with pytest.raises(ValueError, match="score_mod reads a tensor that requires grad, and torch.fx cannot trace"):
+    with pytest.raises(ValueError, match="score_mod: torch.fx cannot trace it"):
         mt.flex_attention(q, k, v, indexed_out_of_sight)
 
 
@@ -2448,7 +2450,8 @@ def test_hf_attention_keeps_hugging_faces_contract():
     # against SDPA's math kernel on K, V repeated per query head: causal GQA without a mask (the module's is_causal,
     # or the is_causal keyword), output (B, L, H, D); sdpa_mask's bool (B, 1, L, L) with left padding, and
     # eager_mask's float with finfo.min where hidden (its fully hidden rows: SDPA's average of v, not NaN); a
-    # decoding step's single query; keys past the queries cut; a softcap; a position_bias; the unused keywords
+    # decoding step's single query; keys past the queries cut; a softcap, the mask added after it (HF's
+    # eager); a position_bias (finfo.min where a bool mask hides); a static cache's slots past the mask
     module = types.SimpleNamespace(is_causal=True, training=False)
     q, _, _ = make_qkv(2, 4, 9, 9, 8, seed=40)
     _, k, v = make_qkv(2, 2, 9, 9, 8, seed=41)
@@ -2477,9 +2480,12 @@ def test_hf_attention_keeps_hugging_faces_contract():
                                    atol=1e-10, rtol=0)
         bias = torch.randn(1, 4, 9, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(42))
         out, _ = mt.hf_attention(module, q, k, v, keep, position_bias=bias)
-        want = sdpa(q, k, v, bias.masked_fill(~keep, -math.inf))
+        want = sdpa(q, k, v, bias.masked_fill(~keep, torch.finfo(torch.float64).min))
         torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-10, rtol=0)
     softcap = lambda s: 2.0 * torch.tanh(s / 2.0)  # noqa: E731
+    out, _ = mt.hf_attention(module, q, k, v, floats, softcap=2.0)  # Gemma 2's eager: softcap, then the mask
+    want = (softcap(q @ rep(k).transpose(-2, -1) / math.sqrt(8)) + floats).softmax(-1) @ rep(v)
+    torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-10, rtol=0)
     block_mask = mt.create_block_mask(lambda b, h, qi, ki: (ki <= qi) & real[b, ki], 2, None, 9, 9, BLOCK_SIZE=4)
     for mask in (keep, block_mask):  # Gemma 2's softcap, beside sdpa_mask's mask or a BlockMask
         out, _ = mt.hf_attention(module, q, k, v, mask, softcap=2.0)
@@ -2493,6 +2499,11 @@ def test_hf_attention_keeps_hugging_faces_contract():
         qs = q[:, :, offset:]
         torch.testing.assert_close(mt.hf_attention(module, qs, k, v, blocks)[0],
                                    mt.hf_attention(module, qs, k, v, bools)[0], atol=1e-10, rtol=0)
+    k12, v12 = (torch.cat([t, t[:, :, :3]], 2) for t in (k, v))  # a static cache: 3 slots past the mask's end
+    blocks = mt.hf_block_mask(2, 9, 12, 0, 0, lambda b, h, qi, ki: qi >= 0, real.long())  # HF's bidirectional
+    bools = F.pad(real[:, None, None, :].expand(2, 1, 9, 9), (0, 3))
+    torch.testing.assert_close(mt.hf_attention(module, q, k12, v12, blocks)[0],
+                               mt.hf_attention(module, q, k12, v12, bools)[0], atol=1e-10, rtol=0)
     module.is_causal = False  # an encoder's
     out, _ = mt.hf_attention(module, q, k, v, None)
     torch.testing.assert_close(out, sdpa(q, k, v).transpose(1, 2), atol=1e-10, rtol=0)
@@ -2547,6 +2558,51 @@ def test_the_block_masks_blocks_decide():
     ours = grads_of(lambda q, k, v: mt.flex_attention(q, k, v, block_mask=broadcast), q, k, v, dout)
     ref = grads_of(lambda q, k, v: dense_flex(q, k, v, keep=keep), q, k, v, dout)
     assert_grads_close(ours, ref, 1e-10, "B = H = 1")
+
+
+def test_flex_mods_run_as_torchs_vmap_runs_them(capfd):
+    # a mod that is not element by element (a reduction over its indices, a table indexed twice, a table read whole)
+    # runs vmapped, as torch's flex runs it: its result, or its error; score + score; a mod torch.fx cannot trace is
+    # refused where a backward would call it again (its reads changed in place since would go unseen), and runs
+    # without gradients; a softcap sees q.k * scale, then ALiBi and a float mask are added, and the mask's gradient
+    # is the scores' after the softcap (dense autograd, float64, 1e-10); no traceback printed; FlopCounterMode
+    # around the forward and autograd.grad of a learned table
+    L = 20
+    q, k, v = make_qkv(2, 2, L, L, 8, seed=31)
+    table = torch.randn(L, L, dtype=torch.float64)
+    mods = [lambda s, b, h, i, j: s + torch.where(j >= 8, (i - j).abs().max().double(), 0.0),  # max over a block
+            lambda s, b, h, i, j: s + table[i][j], lambda s, b, h, i, j: s + s]
+    for mod in mods:
+        torch.testing.assert_close(mt.flex_attention(q, k, v, mod), torch_flex.flex_attention(q, k, v, mod),
+                                   atol=1e-10, rtol=0)
+    with pytest.raises(TypeError, match="score_mod must return a float for each"):  # torch's vmap: a row each
+        mt.flex_attention(q, k, v, lambda s, b, h, i, j: s + table[0])
+    assert capfd.readouterr().err == ""
+    C = torch.randn(2 * L, dtype=torch.float64)
+    untraceable = lambda s, b, h, i, j: s + C[i - j + L] if s.dtype == torch.float64 else s  # noqa: E731
+    with torch.no_grad():
+        out = mt.flex_attention(q, k, v, untraceable)
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    torch.testing.assert_close(out, dense_flex(q, k, v, lambda s: s + C[i - j + L]), atol=1e-10, rtol=0)
+    with pytest.raises(ValueError, match="score_mod: torch.fx cannot trace it"):
+        mt.flex_attention(q.clone().requires_grad_(), k, v, untraceable)
+    slopes = torch.tensor([0.5, 0.25])
+    bias = torch.randn(2, 1, L, L, dtype=torch.float64).masked_fill(j > i, -math.inf).requires_grad_()
+    q.requires_grad_()
+    out = mt.chunked_attention(q, k, v, bias, alibi_slopes=slopes, chunk_size=8,
+                               score_mod=lambda s, b, h, i, j: 2.0 * torch.tanh(s / 2.0))
+    want = dense_flex(q, k, v, lambda s: 2.0 * torch.tanh(s / 2.0) - slopes[:, None, None] * (i - j).abs() + bias)
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
+    for a, b in zip(torch.autograd.grad(out.square().sum(), [q, bias]), torch.autograd.grad(want.square().sum(),
+                                                                                              [q, bias])):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+    learned = torch.randn(2 * L, dtype=torch.float64, requires_grad=True)
+    with torch.utils.flop_counter.FlopCounterMode(display=False):
+        out = mt.flex_attention(q, k, v, lambda s, b, h, i, j: s * learned[i - j + L])
+        got = torch.autograd.grad(out.sum(), [q, learned])
+    want = dense_flex(q, k, v, lambda s: s * learned[i - j + L])
+    for a, b in zip(got, torch.autograd.grad(want.sum(), [q, learned])):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
 
 
 def test_flex_mods_see_torchs_conventions():
@@ -3477,6 +3533,18 @@ def test_fullgraph_compile_matches_eager(impl, kind, mask_kind):
     torch._dynamo.reset()
     got = forward_backward(torch.compile(fn, fullgraph=True, backend="aot_eager"), inputs, params)
     assert_same(got, want)
+
+
+def test_flex_score_mods_read_nothing_on_the_host():
+    # a softcap, a learned relative bias (score + f) and a learned scale (s * f), forward and backward (a BlockMask
+    # is read on the host once a call, by design: _block_plan)
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 2, 40, 40, 8, seed=7))
+    table = torch.randn(80, dtype=torch.float64, requires_grad=True)
+    for mod, params in ((lambda s, b, h, i, j: 5 * torch.tanh(s / 5), []),
+                        (lambda s, b, h, i, j: s + table[i - j + 40], [table]),
+                        (lambda s, b, h, i, j: s * table[i - j + 40], [table])):
+        fn = lambda q, k, v: mt.flex_attention(q, k, v, mod)  # noqa: E731
+        assert host_reads(lambda: forward_backward(fn, (q, k, v), params)) == []
 
 
 @pytest.mark.parametrize("core", CORE)
