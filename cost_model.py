@@ -17,7 +17,7 @@ the block loops, the backward's end); accumulators and statistics float32:
     naive     fwd:     S and P, 2 * B*H*n^2 * e, and out; with a mask S, P and P with its masked rows zeroed,
                        3 * B*H*n^2 * e (out comes after them), and the bool mask, n^2 bytes
               fwd+bwd: P, dP, dS, 3 * B*H*n^2 * e, and out, dV (and a mask's n^2 bytes)
-    chunked   fwd:     out; m, log2 l, 2 * B*H*n * 4; o, B*H*cq*Dv * 4; two blocks of scores, B*H*cq*ck * 4 each
+    chunked   fwd:     out; m, log2 l, 2 * B*H*n * 4; o, B*H*cq*Dv * 4; one block of scores, B*H*cq*ck * 4
               fwd+bwd: out; dQ, dK, dV in float32, B*H*n*(2D + Dv) * 4; m, log2 l and their gradients; four blocks
     flash     fwd:     out; logsumexp, B*H*n * 4; per CPU thread a (qs, ks) block with its rows (a mask: our bool
                        mask and SDPA's bias made of it, n^2 * (1 + e))
@@ -25,10 +25,10 @@ the block loops, the backward's end); accumulators and statistics float32:
                        dP block; or the forward's peak where it weighs more (a CPU's AMX packs K and V there)
     ring      per rank (n / P each): o, m, l; K/V pairs in flight; fwd+bwd: out, dQ, and dK/dV pairs in float32
 
-A block lives until its name is rebound, so with several key blocks step j's blocks are computed while
-step j - 1's still exist: two forward, four backward. The terms of 16-bit inputs, ALiBi, documents, SDPA's
-CUDA kernels and the caching allocator are in each function's docstring.
-"""
+The forward makes every block of scores in one buffer; in the backward a block lives until its name is
+rebound, so with several key blocks step j's blocks are computed while step j - 1's still exist: four. The
+terms of 16-bit inputs, ALiBi, documents, SDPA's CUDA kernels and the caching allocator are in each
+function's docstring. """
 
 import sys
 
@@ -154,9 +154,10 @@ _ARGS_HANDED_OVER = sys.version_info >= (3, 11)
 def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies, alibi=0, Hkv=None):
     """The blocks of one block of query rows at its heaviest moment (attend_block, attend_block_backward).
 
-    (cq, ck) blocks of scores in float32: S_j and P_j, and in the backward dP_j; a block lives until its
-    name is rebound, so with `several` key blocks those of step j - 1 are still alive while step j
-    computes its own (the backward's dS_j is P_j, updated in place, and keeps it). 16-bit inputs add
+    (cq, ck) blocks of scores in float32: the forward makes S_j and P_j in one buffer, reused for every j;
+    the backward makes S_j, P_j and dP_j anew, and a block lives until its name is rebound, so with `several`
+    key blocks those of step j - 1 are still alive while step j computes its own (dS_j is P_j, updated in
+    place, and keeps it). 16-bit inputs add
     blocks rounded to their dtype (P_j and dS_j, for the products), which a CPU multiplies as float32
     copies (`copies`: _matmul), beside float32 copies of the operands (rows of q or dout, key blocks of
     k or v) and the products. Each phase: (float32 blocks, 16-bit blocks, bytes of copies and products).
@@ -167,11 +168,10 @@ def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies, alibi=0,
     block, low = B * H * cq * ck * acc, B * H * cq * ck * itemsize * (itemsize < 4)
     rows, cols = B * H * cq * acc, B * (Hkv or H) * ck * acc  # bytes of one column of a row block, a key block
     kept = 0 if _ARGS_HANDED_OVER else 1  # a 16-bit argument of _matmul still alive during its product
-    if mode == "fwd" and copies:
-        phases = [(1 + several, 0, rows * D + cols * D),  # S_j = Q K_j^T beside P_{j-1}
-                  (2, 1, cols * Dv), (2, kept, cols * Dv + rows * Dv)]  # P_j V_j: P_j low and back in float32
-    elif mode == "fwd":
-        phases = [(1 + several, 0, 0), (1, 1, rows * Dv)]  # S_j beside P_{j-1}; P_j V_j (P_j low if 16-bit)
+    if mode == "fwd" and copies:  # S_j = Q K_j^T from float32 copies; P_j V_j: P_j low and back in float32
+        phases = [(1, 0, rows * D + cols * D), (2, 1, cols * Dv)]
+    elif mode == "fwd":  # P_j V_j, P_j low if 16-bit, its product added to o (CUDA: made first)
+        phases = [(1, 1, rows * Dv * (itemsize < 4))]
     elif copies:  # dP_j (beside the pair of step j - 1), P_j^T dO, dS_j K_j and dS_j^T Q
         p_then = 2 * several  # P_{j-1} (kept by dS's name) and dP_{j-1}, while dP_j is computed
         phases = [(2 + p_then, several, rows * Dv + cols * Dv), (3 + several, 1 + several, rows * Dv),
@@ -180,9 +180,9 @@ def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies, alibi=0,
         phases = [(4, 1, 0), (3, 2, cols * Dv)]
     else:
         phases = [(2, 1, max(cols * Dv, rows * D, cols * D))]  # a product beside P_j and dP_j
-    if alibi:  # S_j beside P_{j-1} (and dP_{j-1}, backward)
+    if alibi:  # S_j (beside P_{j-1} and dP_{j-1}, backward)
         bwd = mode != "fwd"
-        phases.append((1 + several * (1 + bwd), several * bwd, cq * ck * acc))
+        phases.append((1 + 2 * several * bwd, several * bwd, cq * ck * acc))
     blocks, lows, extra = max(phases, key=lambda ph: ph[0] * block + ph[1] * low + ph[2])
     terms = {f"{blocks} blocks of scores (B, H, cq, ck) float32": blocks * block,
              "products (and float32 copies of 16-bit operands), ALiBi's distances": extra}

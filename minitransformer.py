@@ -1509,9 +1509,9 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 #
 # As in the core, each block of query rows visits the key blocks (cols) it sees, keeping per query m, l and o,
 # and out = o / l at the end. Beside the per-query statistics a few (cq, ck) blocks of scores are alive at
-# once: two in the forward and four in the backward (P and dP of this step and the last, dS being P updated in
-# place), since a block lives until its name is rebound, so step j's blocks are made while step j - 1's still
-# exist (cost_model.py counts them). Scores are kept in base 2, exp(x) = exp2(x * log2(e)), as FlashAttention
+# once: in the forward one buffer that every S_j and P_j is made in (a CPU pays a new block in page faults),
+# in the backward four (P and dP of this step and the last, dS being P updated in place), since a block lives
+# until its name is rebound (cost_model.py counts them). Scores are kept in base 2, exp(x) = exp2(x * log2(e)), as FlashAttention
 # does on a GPU, where exp2 is the native instruction; here it costs the same as exp, and log2(e) rides in the
 # scale of the product that makes S.
 
@@ -1527,11 +1527,14 @@ def attend_block(q, k, v, rows, o, m, l, opts):
 
     Z_j is dropout's keep-mask (all ones without dropout); l counts the dropped weights too, so
     that out = o / (l * (1 - p)) keeps the expectation. o (B, H, rows, Dv), m and l (B, H, rows, 1),
-    float32 (float64 for float64), are updated in place; opts: block_options. k, v may have fewer heads (GQA).
+    float32 (float64 for float64), are updated in place; opts: block_options. k, v may have fewer heads (GQA;
+    o then contiguous, as the products are added into it).
     """
     q_i = _per_kv_head(q[:, :, rows], k)  # (B, H_kv, G * cq, D)
+    o_i = o.view(*q_i.shape[:-1], -1)  # (B, H_kv, G * cq, Dv), a view: the products are added into o
+    scratch = o.new_empty(q_i.numel() // q_i.size(-1) * min(opts.ck, k.size(-2)))  # S_j and P_j, every j
     for cols in opts.vis.key_blocks(rows, k.size(-2), opts.ck):
-        s = _scores(q_i, k, rows, cols, opts)  # (B, H, cq, ck)
+        s = _scores(q_i, k, rows, cols, opts, scratch=scratch)  # (B, H, cq, ck)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         # a row masked so far has m_new = -inf, and exp2(-inf - (-inf)) = NaN: the lowest
         # finite value makes it exp2(-inf) = 0 and changes no other row
@@ -1541,8 +1544,8 @@ def attend_block(q, k, v, rows, o, m, l, opts):
         l.mul_(alpha).add_(p.sum(-1, keepdim=True))
         if opts.dropout_p > 0.0:
             _drop(p, _keep_bits(opts.row_hash[:, :, rows], opts.col_hash[cols], opts.dropout_p))
-        # P rounded to the inputs' dtype; no name holds the product, which would keep it into the next block
-        o.mul_(alpha).add_(_matmul(_per_kv_head(p.to(v.dtype), k), v[:, :, cols]).view(o.shape))
+        o.mul_(alpha)
+        _matmul(_per_kv_head(p.to(v.dtype), k), v[:, :, cols], out=o_i, add=True)  # P in the inputs' dtype
         m.copy_(m_new)
 
 
@@ -2151,31 +2154,39 @@ def _per_kv_head(x, k):
     return x.reshape(x.size(0), k.size(1), -1, x.size(-1))
 
 
-def _matmul(a, b, alpha=1.0):
-    """alpha * (a @ b) for a (B, H, m, k) and b (B, H, k, n), in float32 (float64 for float64).
+def _matmul(a, b, alpha=1.0, out=None, add=False):
+    """alpha * (a @ b) for a (B, H, m, k) and b (B, H, k, n), in float32 (float64 for float64). out: a flat
+    buffer the product is written to, reused block after block (a new block each step costs the CPU a pass of
+    page faults); with add, a (B, H, m, n) tensor the product is added to, inside the GEMM.
 
     FlashAttention-2's precision: the operands are multiplied in the inputs' dtype and the
     products accumulated in float32, as tensor cores do; on CUDA by bmm(..., out_dtype=float32);
     elsewhere float16 and bfloat16 are converted to float32 first, which is exact, so a CPU
     computes what a GPU does (up to the order of the sums).
     """
+    shape = (*a.shape[:-1], b.size(-1))  # (B, H, m, n)
     if a.dtype in (torch.float16, torch.bfloat16):
         if a.is_cuda and _BMM_OUT_DTYPE:
-            out = torch.bmm(a.flatten(0, 1), b.flatten(0, 1), out_dtype=torch.float32)  # (B*H, m, n)
-            out = out.view(*a.shape[:-1], b.size(-1))  # (B, H, m, n)
-            return out if alpha == 1.0 else out.mul_(alpha)
+            prod = torch.bmm(a.flatten(0, 1), b.flatten(0, 1), out_dtype=torch.float32).view(shape)
+            prod = prod if alpha == 1.0 else prod.mul_(alpha)
+            return out.add_(prod) if add else prod
         a, b = a.float(), b.float()
+    a, b = a.flatten(0, 1), b.flatten(0, 1)  # (B*H, m, k), (B*H, k, n)
+    if add:  # a view of out, never a copy that would drop the sum
+        return out.view(-1, *shape[-2:]).baddbmm_(a, b, alpha=alpha).view(shape)
+    res = None if out is None else out[:math.prod(shape)].view(-1, *shape[-2:])  # (B*H, m, n)
     if alpha == 1.0:
-        return a @ b
-    out = torch.baddbmm(a.new_empty(()), a.flatten(0, 1), b.flatten(0, 1), beta=0, alpha=alpha)  # in the GEMM
-    return out.view(*a.shape[:-1], b.size(-1))  # (B, H, m, n)
+        return torch.bmm(a, b, out=res).view(shape)
+    return torch.baddbmm(a.new_empty(()), a, b, beta=0, alpha=alpha, out=res).view(shape)  # alpha in the GEMM
 
 
-def _scores(q_i, k, rows, cols, opts, backward=False):
+def _scores(q_i, k, rows, cols, opts, scratch=None, backward=False):
     """S_j of one block, (B, H, rows, cols), float32 (float64 for float64), in base 2, with every variant of
     the call applied (Visibility.scores); the backward recomputes it, and also gets the pullback through a
-    user's score_mod (None without one). q_i: the queries `rows` as _per_kv_head lays them out."""
-    s = _matmul(q_i, k[:, :, cols].transpose(-2, -1), alpha=opts.scale * opts.base)  # (B, H_kv, G rows, cols)
+    user's score_mod (None without one). q_i: the queries `rows` as _per_kv_head lays them out; scratch: a
+    flat buffer to make S_j in (_matmul's out)."""
+    k_j = k[:, :, cols].transpose(-2, -1)  # (B, H_kv, D, cols)
+    s = _matmul(q_i, k_j, opts.scale * opts.base, scratch)  # (B, H_kv, G * rows, cols)
     s = s.view(s.size(0), -1, rows.stop - rows.start, s.size(-1))  # (B, H, rows, cols)
     return opts.vis.scores(s, rows, cols, backward)
 

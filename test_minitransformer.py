@@ -1025,7 +1025,7 @@ def test_chunked_products_take_their_operands_in_the_input_dtype(dtype):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
-                                       torch.ops.aten.addmm, torch.ops.aten.matmul):
+                                       torch.ops.aten.baddbmm_, torch.ops.aten.addmm, torch.ops.aten.matmul):
                 self.seen.append((func, [t for t in args if torch.is_tensor(t) and t.dim() >= 2], out))
             return out
     q, k, v, dout = (t.to(dtype) for t in make_qkv(2, 3, 37, 29, 16, Dv=8, seed=1)[:3] + (
@@ -1043,7 +1043,7 @@ def test_chunked_products_take_their_operands_in_the_input_dtype(dtype):
     q_blocks = [q[:, :, rows].float().flatten(0, 1) for rows in (slice(0, 16), slice(16, 32), slice(32, 37))]
     for func, operands, result in mode.seen:
         assert result.dtype == torch.float32, func
-        for t in operands[-2:]:  # baddbmm's first argument is the (ignored) input
+        for t in operands[-2:]:  # baddbmm's first argument is the input (ignored, or the sum added to)
             assert torch.equal(t.to(dtype).to(t.dtype), t), f"{func}: an operand {dtype} does not hold exactly"
         if func.overloadpacket == torch.ops.aten.baddbmm:  # S = Q K^T: q itself, the scale not folded into it
             assert any(torch.equal(operands[-2], b) for b in q_blocks)
