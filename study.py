@@ -629,10 +629,11 @@ class Series:
     default: bool = True  # in the sweep when --series names none
 
 
-# The default CPU sweep, 256..16384 within about 2 minutes on 2 cores (results/cpu): naive until the 4 GiB
-# budget stops it (at 8192 one (H, n, n) float32 matrix is 2 GiB); chunked and flash to 8192, past that wall;
-# chunked-window256, linear in time, to 16384; chunked-causal and flash-window256 (an (n, n) mask) to 4096.
-CPU_DEFAULT_CAPS = {"chunked": 8192, "flash": 8192, "chunked-causal": 4096, "flash-window256": 4096}
+# The default CPU sweep, 256..16384 within about a minute on 2 cores (results/cpu): naive until the 1 GiB
+# budget stops it (at 4096 each of its two (H, n, n) float32 score matrices is 512 MiB); chunked, flash,
+# chunked-causal and flash-window256 (an (n, n) mask) to 4096, where naive ran out; chunked-window256, linear in
+# time, on to 16384.
+CPU_DEFAULT_CAPS = {"chunked": 4096, "flash": 4096, "chunked-causal": 4096, "flash-window256": 4096}
 # approximate_attention's strategies and settings (a stride of about sqrt(n), two ranks, two ratios)
 APPROXIMATE = [("strided", 64), ("strided", 128), ("linear", None), ("lowrank", 64), ("lowrank", 256),
                ("compressed", 4), ("compressed", 16)]
@@ -1157,11 +1158,12 @@ def claims(curves, fits):
     if ("naive", fb) in fits:
         e = {s: fits[(s, fb)] for s in ("naive", "chunked", "flash") if (s, fb) in fits}
         known = {s: x["memory"] for s, x in e.items() if x["memory"] is not None}
+        linear = [s for s, p in known.items() if s != "naive" and p < 1.5]  # one exact linear path refutes it
         if not known:
             verdict = "this range cannot tell"
-        elif (len(known) == len(e) > 1 and known["naive"] > 1.5
-              and all(p < 1.5 for s, p in known.items() if s != "naive")):
-            verdict = "true of the naive path only"
+        elif known.get("naive", 0) > 1.5 and linear and all(p < 1.5 for s, p in known.items() if s != "naive"):
+            verdict = ("true of the naive path only" if len(linear) == len(e) - 1 else
+                       f"true of the naive path, not of {' or '.join(linear)} (the others: this range cannot tell)")
         else:
             verdict = "not settled by this range"
         rss = {s for s in e if any(r.get("rss_mib") for r in curves[(s, fb)])}  # none on CUDA
@@ -1223,7 +1225,7 @@ def _block_sizes(text):
 _chunk_size = _checked(_block_sizes, lambda sizes: len(sizes) == 2 and min(sizes) >= 1,
                        "a block size like 256 or 256x512 (queries x keys)")
 _gib = _checked(float, lambda x: 0 < x < math.inf, "a positive size in GiB")
-CPU_BUDGET_GIB = 4.0  # the memory of a small GPU: naive's wall falls inside the default CPU sweep
+CPU_BUDGET_GIB = 1.0  # naive's wall falls inside the default CPU sweep, at n = 4096 (CPU_DEFAULT_CAPS)
 
 
 def parse_args(argv=None):
@@ -1251,8 +1253,8 @@ def parse_args(argv=None):
                    help="blocks of the chunked path, 256 or 256x512 (queries x keys); default: its own")
     p.add_argument("--mem-budget", type=_gib, default=None, metavar="GIB",
                    help="memory of the worker process that measures, in GiB; a point that needs more is recorded as "
-                        f"out of memory (default: {CPU_BUDGET_GIB:g} on CPU, the memory of a small GPU; on CUDA the "
-                        "GPU's own). Not applied to --compare")
+                        f"out of memory (default: {CPU_BUDGET_GIB:g} on CPU, where naive's wall falls at n = 4096; "
+                        "on CUDA the GPU's own). Not applied to --compare")
     p.add_argument("--out", default=None,
                    help="output folder (default runs/<device>, or runs/<device>-quick, -custom (what is measured "
                         "differs from the default sweep), -compare; results/<device> is written only when named here)")
@@ -1455,13 +1457,13 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
     done = {_key(r) for r in read_rows(csv_path) if r["status"] == "ok"} if args.resume else set()
     with contextlib.closing(CsvLog(csv_path, args.resume)) as log:
         t0 = time.time()
-        ceiling = runner({"kind": "matmul", "device": info["device"], "dtype": dtype,
-                          "N": 2048 if info["device"] == "cpu" else 8192, "seconds": 2.0})["tflops"]
+        ceiling = runner({"kind": "matmul", "device": info["device"], "dtype": dtype, "N": 2048 if info["device"]
+                          == "cpu" else 8192, "seconds": 0.5 if args.quick else 1.0})["tflops"]
         trained = os.path.join(out, "reversal.pt") if any(s.path in approx.STRATEGIES for s in series) else None
         if trained:  # the approximate series' error on a trained layer: one encoder, trained here on the CPU
             mt.train(mt.TrainConfig(out=trained, heatmap=None, device="cpu"), log=lambda *a: None)
         todo = points(args, info["label"], dtype, lengths, series, batch, modes, matmul_tflops=f"{ceiling:.4f}",
-                      trained=trained, mem_budget_gib=f"{budget_gib:.3f}", min_repeats=1 if args.quick else 3,
+                      trained=trained, mem_budget_gib=f"{budget_gib:.3f}", min_repeats=1 if args.quick else 2,
                       target_s=0.2 if args.quick else args.target_seconds)
         print(f"study: {title}; {len(todo)} points -> {csv_path}")
         print(f"matmul ceiling: {ceiling:.3f} TFLOP/s ({dtype}, measured now)")
