@@ -70,7 +70,8 @@ from torch.nn.attention.flex_attention import AuxOutput, BlockMask
 # Dv), or any leading dimensions, as many in q, k and v (D: the tutorials' d_k). H_kv = H as in the paper, or
 # fewer, shared (grouped-query attention): query head h reads K/V head h // (H / H_kv). A bool attn_mask, True
 # where a query may attend, broadcast to (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk)); is_causal: query i sees
-# keys j <= i (a KV cache's queries align the other way: the hardened paths). No key seen: 0. float32/64 only.
+# keys j <= i, query i at key position i (a KV cache's queries sit at the end instead, at i + Lk - Lq: the
+# hardened paths' causal_lower_right). No key seen: 0. float32/64 only.
 
 
 def standard_attention(q, k, v, attn_mask=None, is_causal=False):
@@ -82,7 +83,7 @@ def standard_attention(q, k, v, attn_mask=None, is_causal=False):
     if is_causal:  # query i sees the keys j <= i
         later = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)  # (Lq, Lk): j > i
         s = s.masked_fill(later, -math.inf)
-    if attn_mask is not None:  # M = -inf, not -1e9: a query that sees no key would then average V
+    if attn_mask is not None:  # M = -inf, not -1e9: with -1e9 a query that sees no key would get V's mean
         s = s.masked_fill(attn_mask.logical_not(), -math.inf)
     p = torch.softmax(s, dim=-1)
     p = p.masked_fill(torch.isneginf(s).all(-1, keepdim=True), 0.0)  # no key visible: 0, not softmax's NaN
@@ -213,9 +214,12 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
 
     q (B, H, Lq, D), k and v (B, H_kv, Lk, D or Dv) -> (B, H, Lq, Dv). attn_mask: bool, True where a query may
     attend, or float, added to the scores, broadcast to (B, H, Lq, Lk); is_causal: query i sees keys j <= i.
-    The rest (local windows, packed documents, ALiBi, fewer K/V heads, a decoder's causality) and the
-    conventions every path keeps: the appendix's header. FlexAttention's mods, a score_mod and a BlockMask as
-    attn_mask, run on the chunked path whatever impl says (flex_attention)."""
+    scale: default 1 / sqrt(D); dropout_p: on the weights, in training. window_size=w: query i sees keys with
+    |i - j| <= w; cu_seqlens: offsets [0, l1, l1 + l2, ..., L] of packed documents, a query seeing its own
+    document's keys only; alibi_slopes (H,): ALiBi's bias -slope_h * |i - j|; enable_gqa: k, v with H_kv
+    heads; chunk_size: the chunked path's blocks. The conventions every path keeps: the appendix's header.
+    FlexAttention's mods, a score_mod and a BlockMask as attn_mask, run on the chunked path whatever impl says
+    (flex_attention)."""
     kw = dict(window_size=window_size, cu_seqlens=cu_seqlens)
     kw |= {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}  # a function without it still runs
     kw |= {"enable_gqa": True} if enable_gqa else {}
@@ -273,7 +277,8 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x, attn_mask=None, is_causal=False, need_weights=False, positions=None,
                 cu_seqlens=None, cache=None):
-        """x (B, T, C) -> (B, T, C), and with need_weights also the weights (B, nh, T, Lk) (the naive path).
+        """x (B, T, C) -> (B, T, C), and with need_weights also the weights (B, nh, T, Lk) (the naive path;
+        nh heads, Lk keys: T, or the cache's slots).
 
         attn_mask: bool, True where a query may attend, or float, added to the scores, broadcast to (B, nh, T,
         T): key padding is (B, 1, 1, T); or FlexAttention's BlockMask. is_causal: query i sees keys j <= i.
@@ -283,7 +288,7 @@ class MultiHeadAttention(nn.Module):
         _check_mha_call(self, x, attn_mask, is_causal, need_weights, positions, cu_seqlens, cache)
         B, T, C = x.size()
         nh, nkv, hs = self.n_heads, self.n_kv_heads, C // self.n_heads
-        q, k, v = self.qkv(x).split([C, nkv * hs, nkv * hs], dim=2)
+        q, k, v = self.qkv(x).split([C, nkv * hs, nkv * hs], dim=2)  # (B, T, C), (B, T, nkv*hs) twice
         q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
@@ -1509,11 +1514,12 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 #
 # As in the core, each block of query rows visits the key blocks (cols) it sees, keeping per query m, l and o,
 # and out = o / l at the end. Beside the per-query statistics a few (cq, ck) blocks of scores are alive at
-# once: in the forward one buffer that every S_j and P_j is made in (a CPU pays a new block in page faults),
+# once: in the forward one buffer that every S_j and P_j is made in (a CPU pays a new block in page faults;
+# 16-bit inputs add rounded copies, dropout its hashes, a score_mod its results),
 # in the backward four (P and dP of this step and the last, dS being P updated in place), since a block lives
-# until its name is rebound (cost_model.py counts them). Scores are kept in base 2, exp(x) = exp2(x * log2(e)), as FlashAttention
-# does on a GPU, where exp2 is the native instruction; here it costs the same as exp, and log2(e) rides in the
-# scale of the product that makes S.
+# until its name is rebound (cost_model.py counts them). Scores are kept in base 2,
+# exp(x) = exp2(x * log2(e)), as FlashAttention does on a GPU, where exp2 is the native instruction; log2(e)
+# rides in the scale of the product that makes S.
 
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 
@@ -1528,7 +1534,7 @@ def attend_block(q, k, v, rows, o, m, l, opts):
     Z_j is dropout's keep-mask (all ones without dropout); l counts the dropped weights too, so
     that out = o / (l * (1 - p)) keeps the expectation. o (B, H, rows, Dv), m and l (B, H, rows, 1),
     float32 (float64 for float64), are updated in place; opts: block_options. k, v may have fewer heads (GQA;
-    o then contiguous, as the products are added into it).
+    o must then be contiguous: the products are added into a view of it in that layout).
     """
     q_i = _per_kv_head(q[:, :, rows], k)  # (B, H_kv, G * cq, D)
     o_i = o.view(*q_i.shape[:-1], -1)  # (B, H_kv, G * cq, Dv), a view: the products are added into o
@@ -2157,7 +2163,8 @@ def _per_kv_head(x, k):
 def _matmul(a, b, alpha=1.0, out=None, add=False):
     """alpha * (a @ b) for a (B, H, m, k) and b (B, H, k, n), in float32 (float64 for float64). out: a flat
     buffer the product is written to, reused block after block (a new block each step costs the CPU a pass of
-    page faults); with add, a (B, H, m, n) tensor the product is added to, inside the GEMM.
+    page faults); with add, a (B, H, m, n) tensor the product is added to, inside the GEMM (on CUDA in 16
+    bits the product is made apart, then added).
 
     FlashAttention-2's precision: the operands are multiplied in the inputs' dtype and the
     products accumulated in float32, as tensor cores do; on CUDA by bmm(..., out_dtype=float32);
@@ -2165,16 +2172,16 @@ def _matmul(a, b, alpha=1.0, out=None, add=False):
     computes what a GPU does (up to the order of the sums).
     """
     shape = (*a.shape[:-1], b.size(-1))  # (B, H, m, n)
+    a, b = a.flatten(0, 1), b.flatten(0, 1)  # (B*H, m, k), (B*H, k, n)
+    res = None if out is None or add else out[:math.prod(shape)].view(-1, *shape[-2:])  # (B*H, m, n)
     if a.dtype in (torch.float16, torch.bfloat16):
         if a.is_cuda and _BMM_OUT_DTYPE:
-            prod = torch.bmm(a.flatten(0, 1), b.flatten(0, 1), out_dtype=torch.float32).view(shape)
+            prod = torch.bmm(a, b, out_dtype=torch.float32, out=res).view(shape)
             prod = prod if alpha == 1.0 else prod.mul_(alpha)
             return out.add_(prod) if add else prod
         a, b = a.float(), b.float()
-    a, b = a.flatten(0, 1), b.flatten(0, 1)  # (B*H, m, k), (B*H, k, n)
     if add:  # a view of out, never a copy that would drop the sum
         return out.view(-1, *shape[-2:]).baddbmm_(a, b, alpha=alpha).view(shape)
-    res = None if out is None else out[:math.prod(shape)].view(-1, *shape[-2:])  # (B*H, m, n)
     if alpha == 1.0:
         return torch.bmm(a, b, out=res).view(shape)
     return torch.baddbmm(a.new_empty(()), a, b, beta=0, alpha=alpha, out=res).view(shape)  # alpha in the GEMM
