@@ -1159,11 +1159,13 @@ def claims(curves, fits):
         e = {s: fits[(s, fb)] for s in ("naive", "chunked", "flash") if (s, fb) in fits}
         known = {s: x["memory"] for s, x in e.items() if x["memory"] is not None}
         linear = [s for s, p in known.items() if s != "naive" and p < 1.5]  # one exact linear path refutes it
+        quadratic, unknown = [s for s, p in known.items() if p >= 1.5], [s for s in e if s not in known]
         if not known:
             verdict = "this range cannot tell"
-        elif known.get("naive", 0) > 1.5 and linear and all(p < 1.5 for s, p in known.items() if s != "naive"):
-            verdict = ("true of the naive path only" if len(linear) == len(e) - 1 else
-                       f"true of the naive path, not of {' or '.join(linear)} (the others: this range cannot tell)")
+        elif known.get("naive", 0) > 1.5 and linear:
+            verdict = ("true of the naive path only" if quadratic == ["naive"] and not unknown else
+                       f"true of {' and '.join(quadratic)}, not of {' or '.join(linear)}"
+                       + (f" ({' and '.join(unknown)}: this range cannot tell)" if unknown else ""))
         else:
             verdict = "not settled by this range"
         rss = {s for s in e if any(r.get("rss_mib") for r in curves[(s, fb)])}  # none on CUDA
@@ -1271,7 +1273,7 @@ def parse_args(argv=None):
     p.add_argument("--report", action="store_true",
                    help="measure nothing: redraw plots and summary.md from <out>/study.csv")
     p.add_argument("--target-seconds", type=float, default=0.5,
-                   help="time spent on repeats per point (at least 3 repeats)")
+                   help="time spent on repeats per point (at least 2 timed repeats, 1 with --quick)")
     args = p.parse_args(argv)
     if args.window < 0:
         p.error(f"--window must be >= 0, got {args.window}")
