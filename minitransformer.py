@@ -70,8 +70,7 @@ from torch.nn.attention.flex_attention import AuxOutput, BlockMask
 # Dv), or any leading dimensions, as many in q, k and v (D: the tutorials' d_k). H_kv = H as in the paper, or
 # fewer, shared (grouped-query attention): query head h reads K/V head h // (H / H_kv). A bool attn_mask, True
 # where a query may attend, broadcast to (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk)); is_causal: query i sees
-# keys j <= i, query i at key position i (a KV cache's queries sit at the end instead, at i + Lk - Lq: the
-# hardened paths' causal_lower_right). No key seen: 0. float32/64 only.
+# keys j <= i (a KV cache's: j <= i + Lk - Lq, causal_lower_right). No key seen: 0. float32/64 only.
 
 
 def standard_attention(q, k, v, attn_mask=None, is_causal=False):
@@ -2310,9 +2309,9 @@ def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_
         mask = Visibility(rules, shift, attn_mask=attn_mask).dense(q.size(-2), k.size(-2), q.device)
         is_causal = False
     float_mask = mask is not None and mask.is_floating_point()
-    # a float mask in q's dtype, or float32 beside 16 bits (what the CPU kernel adds in): a float32 mask
-    # beside float64 q is misread where the CPU's vectors are 256 bits wide (AVX2): keys 4-7 of every 8
-    # unscaled, unmasked
+    # a float mask in q's dtype, or float32 beside 16 bits (what the CPU kernel adds in): torch's CPU kernel
+    # misreads a float32 mask beside float64 q at every vector width, from 8 keys on with AVX2 (keys 4-7 of
+    # every 8 unscaled, unmasked), from 16 with AVX-512
     sdpa_dtype = q.dtype if q.dtype.itemsize >= 4 else torch.float32
     if float_mask and mask.dtype != sdpa_dtype:
         mask = _finite_bias(mask, sdpa_dtype)
