@@ -28,7 +28,8 @@ the block loops, the backward's end); accumulators and statistics float32:
 The forward makes every block of scores in one buffer; in the backward a block lives until its name is
 rebound, so with several key blocks step j's blocks are computed while step j - 1's still exist: four. The
 terms of 16-bit inputs, ALiBi, documents, SDPA's CUDA kernels and the caching allocator are in each
-function's docstring. """
+function's docstring.
+"""
 
 import sys
 
@@ -154,15 +155,15 @@ _ARGS_HANDED_OVER = sys.version_info >= (3, 11)
 def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies, alibi=0, Hkv=None):
     """The blocks of one block of query rows at its heaviest moment (attend_block, attend_block_backward).
 
-    (cq, ck) blocks of scores in float32: the forward makes S_j and P_j in one buffer, reused for every j;
-    the backward makes S_j, P_j and dP_j anew, and a block lives until its name is rebound, so with `several`
-    key blocks those of step j - 1 are still alive while step j computes its own (dS_j is P_j, updated in
-    place, and keeps it). 16-bit inputs add
-    blocks rounded to their dtype (P_j and dS_j, for the products), which a CPU multiplies as float32
-    copies (`copies`: _matmul), beside float32 copies of the operands (rows of q or dout, key blocks of
-    k or v) and the products. Each phase: (float32 blocks, 16-bit blocks, bytes of copies and products).
-    alibi: ALiBi's bias, added to S_j in place from the distances (cq, ck), made beside it after the
-    copies its product took. Hkv: the heads of K and V (grouped-query attention), which key blocks have.
+    (cq, ck) blocks of scores in float32: the forward makes S_j and P_j in one buffer, reused for every j; the
+    backward makes S_j, P_j and dP_j anew, and a block lives until its name is rebound, so with `several` key
+    blocks those of step j - 1 are still alive while step j computes its own (dS_j is P_j, updated in place,
+    and keeps it). 16-bit inputs add blocks rounded to their dtype (P_j and dS_j, for the products), which a
+    CPU multiplies as float32 copies (`copies`: _matmul), beside float32 copies of the operands (rows of q or
+    dout, key blocks of k or v) and the products. Each phase: (float32 blocks, 16-bit blocks, bytes of copies
+    and products). alibi: ALiBi's bias, added to S_j in place from the distances (cq, ck), made beside it
+    after the copies its product took. Hkv: the heads of K and V (grouped-query attention), which key blocks
+    have.
     """
     acc = max(itemsize, 4)
     block, low = B * H * cq * ck * acc, B * H * cq * ck * itemsize * (itemsize < 4)

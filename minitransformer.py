@@ -1514,11 +1514,10 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 # As in the core, each block of query rows visits the key blocks (cols) it sees, keeping per query m, l and o,
 # and out = o / l at the end. Beside the per-query statistics a few (cq, ck) blocks of scores are alive at
 # once: in the forward one buffer that every S_j and P_j is made in (a CPU pays a new block in page faults;
-# 16-bit inputs add rounded copies, dropout its hashes, a score_mod its results),
-# in the backward four (P and dP of this step and the last, dS being P updated in place), since a block lives
-# until its name is rebound (cost_model.py counts them). Scores are kept in base 2,
-# exp(x) = exp2(x * log2(e)), as FlashAttention does on a GPU, where exp2 is the native instruction; log2(e)
-# rides in the scale of the product that makes S.
+# 16-bit inputs add rounded copies, dropout its hashes, a score_mod its results), in the backward four (P and
+# dP of this step and the last, dS being P updated in place), since a block lives until its name is rebound
+# (cost_model.py counts them). Scores are kept in base 2, exp(x) = exp2(x * log2(e)), as FlashAttention does
+# on a GPU, where exp2 is the native instruction; log2(e) rides in the scale of the product that makes S.
 
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 

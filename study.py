@@ -1459,8 +1459,9 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
     done = {_key(r) for r in read_rows(csv_path) if r["status"] == "ok"} if args.resume else set()
     with contextlib.closing(CsvLog(csv_path, args.resume)) as log:
         t0 = time.time()
-        ceiling = runner({"kind": "matmul", "device": info["device"], "dtype": dtype, "N": 2048 if info["device"]
-                          == "cpu" else 8192, "seconds": 0.5 if args.quick else 1.0})["tflops"]
+        N = 2048 if info["device"] == "cpu" else 8192
+        ceiling = runner({"kind": "matmul", "device": info["device"], "dtype": dtype, "N": N,
+                          "seconds": 0.5 if args.quick else 1.0})["tflops"]
         trained = os.path.join(out, "reversal.pt") if any(s.path in approx.STRATEGIES for s in series) else None
         if trained:  # the approximate series' error on a trained layer: one encoder, trained here on the CPU
             mt.train(mt.TrainConfig(out=trained, heatmap=None, device="cpu"), log=lambda *a: None)
