@@ -287,16 +287,16 @@ class MultiHeadAttention(nn.Module):
         _check_mha_call(self, x, attn_mask, is_causal, need_weights, positions, cu_seqlens, cache)
         B, T, C = x.size()
         nh, nkv, hs = self.n_heads, self.n_kv_heads, C // self.n_heads
-        q, k, v = self.qkv(x).split([C, nkv * hs, nkv * hs], dim=2)  # (B, T, C), (B, T, nkv*hs) twice
-        q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        qk, v = self.qkv(x).split([C + nkv * hs, nkv * hs], dim=2)  # (B, T, C + nkv*hs), (B, T, nkv*hs)
+        qk = qk.view(B, T, nh + nkv, hs).transpose(1, 2)  # (B, nh + nkv, T, hs): q's heads, then k's
         v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         if cache is not None and positions is None:
             positions = cache.positions(T, attn_mask)  # (B, T): each row's own
         elif positions is None and cu_seqlens is not None:
             positions = documents(cu_seqlens, T, x.device)[1]  # restarting in every document
-        if self.rope is not None:
-            q, k = self.rope(q, positions), self.rope(k, positions)
+        if self.rope is not None:  # q and k rotated in one call
+            qk = self.rope(qk, positions)
+        q, k = qk.split([nh, nkv], dim=1)  # (B, nh, T, hs), (B, nkv, T, hs)
         kw = dict(window_size=self.window_size, cu_seqlens=cu_seqlens, enable_gqa=nkv != nh,
                   alibi_slopes=alibi_slopes(nh, x.device) if self.alibi else None)
         with _all_or_nothing([cache]):  # a call that raises leaves the cache as it was
@@ -405,7 +405,7 @@ class KVCache:
         self.length.add_(T)
         self.tokens.add_(T if real is None else real.sum(-1, keepdim=True))
         rules = named_rules(is_causal=True, window_size=window_size, alibi_slopes=alibi_slopes)
-        at = positions[:, None, :, None], self.pos[:, None, None, :]  # (B, 1, T, 1), (B, 1, 1, L)
+        at = positions.view(-1, 1, T, 1), self.pos.view(-1, 1, 1, L)  # (B, 1, T, 1), (B, 1, 1, L)
         mask = Visibility(rules, positions=at, attn_mask=over_slots).dense(T, L, k.device)
         return self.k, self.v, mask
 
@@ -496,16 +496,17 @@ class RotaryEmbedding(nn.Module):
         self.max_len = max_len
         inv_freq = base ** (-torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)  # (hs/2,)
         angle = torch.arange(max_len, dtype=torch.float64)[:, None] * inv_freq  # (max_len, hs/2)
-        angle = torch.cat([angle, angle], dim=-1)  # (max_len, hs): pair i and i + hs/2 share an angle
-        self.register_buffer("cos", angle.cos().float(), persistent=False)
-        self.register_buffer("sin", angle.sin().float(), persistent=False)
+        # (max_len, hs) each: pair i and i + hs/2 share an angle, its sine signed for the halves swapped
+        self.register_buffer("cos", torch.cat([angle.cos(), angle.cos()], -1).float(), persistent=False)
+        self.register_buffer("sin", torch.cat([-angle.sin(), angle.sin()], -1).float(), persistent=False)
 
     def forward(self, x, positions=None):
+        """(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), x1 and x2 the halves of every head's features."""
         pos = _positions(x.size(-2), self.max_len, positions)
         cos, sin = self.cos[pos].unsqueeze(-3), self.sin[pos].unsqueeze(-3)  # (1 or B, 1, T, hs)
         x1, x2 = x.chunk(2, dim=-1)
-        rotated = torch.cat([-x2, x1], dim=-1)  # (B, nh, T, hs): multiplication by i, pair by pair
-        return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+        swapped = torch.cat([x2, x1], dim=-1)  # (B, nh, T, hs)
+        return (x * cos.to(x.dtype)).addcmul_(swapped, sin.to(x.dtype))
 
 
 def alibi_slopes(n_heads, device=None):
@@ -1380,7 +1381,9 @@ class Visibility:
     def _positions(self, rows, cols, device):
         """(i, j): the positions of the queries `rows`, (rows, 1) or (B, 1, rows, 1), and the keys `cols`."""
         if self.positions is not None:  # each row's own: (B, 1, rows, 1) and (B, 1, 1, cols)
-            return self.positions[0][..., rows, :], self.positions[1][..., cols]
+            i, j = self.positions
+            whole = (rows.stop - rows.start, cols.stop - cols.start) == (i.size(-2), j.size(-1))
+            return (i, j) if whole else (i[..., rows, :], j[..., cols])
         i = torch.arange(rows.start + self.shift, rows.stop + self.shift, device=device)[:, None]
         return i, torch.arange(cols.start, cols.stop, device=device)[None, :]
 
@@ -2532,15 +2535,14 @@ def _check_caches(enc, idx, cache, positions):
         raise ValueError(f"cache holds {len(cache)} KVCaches, {distinct} of them distinct, of {rows} rows "
                          f"and max_len {max_len}, for {len(enc.layers)} layers and {len(idx)} rows of idx: "
                          "one of its own a layer, all of one max_len (kv_caches())")
-    if cache[0].pos.is_cpu and not torch.compiler.is_compiling():  # read on the host: no device to wait for
-        seen = [(_host_value(c.length), _host_value(c.tokens.flatten())) for c in cache]
-        if any(layer != seen[0] for layer in seen):
-            raise ValueError(f"every layer's KVCache must hold as many slots and tokens (each row's) as the "
-                             f"first layer's: got {seen}")
-        return
     lengths, tokens = torch.stack([c.length for c in cache]), torch.cat([c.tokens.T for c in cache])
     state = torch.cat([lengths[:, None], tokens], 1)  # (layers, 1 + B)
-    torch._assert_async((state == state[0]).all(), "every layer's KVCache must hold as many slots and tokens")
+    why = "every layer's KVCache must hold as many slots and tokens (each row's) as the first layer's"
+    if cache[0].pos.is_cpu and not torch.compiler.is_compiling():  # read on the host: no device to wait for
+        if not _host_value((state == state[0]).all()):
+            raise ValueError(f"{why}: got (slots, tokens) {_host_value(state)}")
+        return
+    torch._assert_async((state == state[0]).all(), why)
 
 
 def _check_block_mask(block_mask, q, k):
