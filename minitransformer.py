@@ -1566,7 +1566,7 @@ def chunked_forward(q, k, v, opts, cq):
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     out = q.new_empty(B, H, Lq, v.size(-1))
     m_all, log2_l = (q.new_empty(B, H, Lq, 1, dtype=acc_dtype) for _ in range(2))
-    for rows in _blocks(Lq, cq):
+    for rows in _blocks(Lq, cq) if B * H else ():  # an empty batch: no block, an empty out
         m = q.new_full((B, H, rows.stop - rows.start, 1), float("-inf"), dtype=acc_dtype)
         l = torch.zeros_like(m)
         o = q.new_zeros(B, H, rows.stop - rows.start, v.size(-1), dtype=acc_dtype)
@@ -1623,7 +1623,7 @@ def chunked_backward(dout, q, k, v, out, m, log2_l, dq, dk, dv, dmask, opts, cq)
     """The backward: every block of cq query rows adds its share (attend_block_backward) into dq, dk,
     dv (zeros, float32, shaped as q, k, v) and into dmask (a float mask's gradient, float32, shaped as
     the mask) unless None; then the scale and 1 / (1 - p). Returns dq, dk, dv in the inputs' dtype."""
-    for rows in _blocks(q.size(-2), cq):
+    for rows in _blocks(q.size(-2), cq) if q.size(0) * q.size(1) else ():
         attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask, opts)
     dv.mul_(1.0 / (1.0 - opts.dropout_p))
     return dq.mul_(opts.scale).to(q.dtype), dk.mul_(opts.scale).to(k.dtype), dv.to(v.dtype)

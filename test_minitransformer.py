@@ -743,6 +743,17 @@ def test_fully_masked_rows_are_zero_with_zero_grads(impl, dtype):
         assert (gq[:, :, 3] == 0).all() and (gk[:, :, 5] == 0).all() and (gv[:, :, 5] == 0).all()
 
 
+@pytest.mark.parametrize("impl", mt.IMPLS)
+def test_empty_batches_heads_queries_and_keys_give_what_sdpa_gives(impl):
+    for B, H, Lq, Lk in ((0, 2, 5, 5), (2, 0, 5, 5), (2, 2, 0, 5), (2, 2, 5, 0)):
+        q, k, v = (t.requires_grad_() for t in make_qkv(B, H, Lq, Lk, 8, Dv=6))
+        want = F.scaled_dot_product_attention(q, k, v)  # zeros where a query sees no key
+        out = run_path(impl, q, k, v)
+        assert out.shape == want.shape == (B, H, Lq, 6) and torch.equal(out, want)
+        for g, t in zip(torch.autograd.grad(out.sum(), (q, k, v)), (q, k, v)):
+            assert g.shape == t.shape and not g.any()
+
+
 @pytest.mark.parametrize("kw", [{}, {"is_causal": True}, {"window_size": 5}, {"window_size": 4, "is_causal": True},
                                 {"attn_mask": "bool", "is_causal": True}, {"attn_mask": "float"}])
 def test_chunked_gradcheck(kw):
