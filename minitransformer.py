@@ -293,7 +293,7 @@ class MultiHeadAttention(nn.Module):
         if cache is not None and positions is None:
             positions = cache.positions(T, attn_mask)  # (B, T): each row's own
         elif positions is None and cu_seqlens is not None:
-            positions = documents(cu_seqlens, T, x.device)[1]  # restarting in every document
+            _, positions = documents(cu_seqlens, T, x.device)  # restarting in every document
         if self.rope is not None:  # q and k rotated in one call
             qk = self.rope(qk, positions)
         q, k = qk.split([nh, nkv], dim=1)  # (B, nh, T, hs), (B, nkv, T, hs)
@@ -530,8 +530,8 @@ _ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
 class EncoderLayer(nn.Module):
     """One encoder layer, as nn.TransformerEncoderLayer (batch first).
 
-    post-LN (paper, default):  x = LN(x + SA(x));     x = LN(x + FF(x))
-    pre-LN (norm_first=True):  x = x + SA(LN(x));     x = x + FF(LN(x))
+    post-LN (the paper's, and torch's default): x = LN(x + SA(x));   x = LN(x + FF(x))
+    pre-LN (norm_first=True, EncoderConfig's):  x = x + SA(LN(x));   x = x + FF(LN(x))
     FF(x) = W2 dropout(act(W1 x + b1)) + b2. x: (B, T, d_model) -> (B, T, d_model).
     """
 
@@ -682,7 +682,7 @@ class Encoder(nn.Module):
         KVCache)."""
         _check_caches(self, idx, cache, positions)
         if (positions is None) and (cu_seqlens is not None) and (self.config.pos_encoding != "alibi"):
-            positions = documents(cu_seqlens, idx.size(1), idx.device)[1]  # (T,); ALiBi: cu_seqlens itself
+            _, positions = documents(cu_seqlens, idx.size(1), idx.device)  # (T,); ALiBi: cu_seqlens itself
         caches = [None] * len(self.layers) if cache is None else cache
         with _all_or_nothing(caches):  # a call that raises leaves every cache as it was
             if cache is not None:  # (B, T): each row's own, the same in every layer's cache (_check_caches)
@@ -1528,7 +1528,7 @@ LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 def attend_block(q, k, v, rows, o, m, l, opts):
     """The forward's block update: queries `rows` against every key block j they see.
 
-        S_j = Q K_j^T * scale * log2(e) + M_j * log2(e)      (M_j: the block's mask, clamped finite but -inf)
+        S_j = Q K_j^T * scale * log2(e) + M_j * log2(e)      (M_j: its mask and biases, Visibility.scores)
         m' = max(m, rowmax(S_j)),   P_j = exp2(S_j - m'),   alpha = exp2(m - m'),
         l' = alpha * l + rowsum(P_j),   o' = alpha * o + (Z_j * P_j) V_j
 
