@@ -287,16 +287,16 @@ class MultiHeadAttention(nn.Module):
         _check_mha_call(self, x, attn_mask, is_causal, need_weights, positions, cu_seqlens, cache)
         B, T, C = x.size()
         nh, nkv, hs = self.n_heads, self.n_kv_heads, C // self.n_heads
-        qk, v = self.qkv(x).split([C + nkv * hs, nkv * hs], dim=2)  # (B, T, C + nkv*hs), (B, T, nkv*hs)
-        qk = qk.view(B, T, nh + nkv, hs).transpose(1, 2)  # (B, nh + nkv, T, hs): q's heads, then k's
+        q, k, v = self.qkv(x).split([C, nkv * hs, nkv * hs], dim=2)  # (B, T, C), (B, T, nkv*hs) twice
+        q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         if cache is not None and positions is None:
             positions = cache.positions(T, attn_mask)  # (B, T): each row's own
         elif positions is None and cu_seqlens is not None:
             _, positions = documents(cu_seqlens, T, x.device)  # restarting in every document
-        if self.rope is not None:  # q and k rotated in one call
-            qk = self.rope(qk, positions)
-        q, k = qk.split([nh, nkv], dim=1)  # (B, nh, T, hs), (B, nkv, T, hs)
+        if self.rope is not None:
+            q, k = self.rope(q, positions), self.rope(k, positions)
         kw = dict(window_size=self.window_size, cu_seqlens=cu_seqlens, enable_gqa=nkv != nh,
                   alibi_slopes=alibi_slopes(nh, x.device) if self.alibi else None)
         with _all_or_nothing([cache]):  # a call that raises leaves the cache as it was
