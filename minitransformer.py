@@ -295,8 +295,8 @@ class MultiHeadAttention(nn.Module):
             positions = cache.positions(T, attn_mask)  # (B, T): each row's own
         elif positions is None and cu_seqlens is not None:
             _, positions = documents(cu_seqlens, T, x.device)  # restarting in every document
-        if self.rope is not None:
-            q, k = self.rope(q, positions), self.rope(k, positions)
+        if self.rope is not None:  # q and k rotated in one call: (B, nh + nkv, T, hs)
+            q, k = self.rope(torch.cat([q, k], dim=1), positions).split([nh, nkv], dim=1)
         kw = dict(window_size=self.window_size, cu_seqlens=cu_seqlens, enable_gqa=nkv != nh,
                   alibi_slopes=alibi_slopes(nh, x.device) if self.alibi else None)
         with _all_or_nothing([cache]):  # a call that raises leaves the cache as it was
