@@ -70,7 +70,7 @@ from torch.nn.attention.flex_attention import AuxOutput, BlockMask
 # Dv), or any leading dimensions, as many in q, k and v (D: the tutorials' d_k). H_kv = H as in the paper, or
 # fewer, shared (grouped-query attention): query head h reads K/V head h // (H / H_kv). A bool attn_mask, True
 # where a query may attend, broadcast to (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk)); is_causal: query i sees
-# keys j <= i (a KV cache's: j <= i + Lk - Lq, causal_lower_right). No key seen: 0. float32/64 only.
+# keys j <= i, top-left as SDPA (a KV cache's j <= i + Lk - Lq: the appendix). No key seen: 0. float32/64.
 
 
 def standard_attention(q, k, v, attn_mask=None, is_causal=False):
@@ -295,13 +295,13 @@ class MultiHeadAttention(nn.Module):
             positions = cache.positions(T, attn_mask)  # (B, T): each row's own
         elif positions is None and cu_seqlens is not None:
             _, positions = documents(cu_seqlens, T, x.device)  # restarting in every document
-        if self.rope is not None:  # q and k rotated in one call: (B, nh + nkv, T, hs)
+        if self.rope is not None:  # in one call, (B, nh + nkv, T, hs): a token's q and k share its position
             q, k = self.rope(torch.cat([q, k], dim=1), positions).split([nh, nkv], dim=1)
         kw = dict(window_size=self.window_size, cu_seqlens=cu_seqlens, enable_gqa=nkv != nh,
                   alibi_slopes=alibi_slopes(nh, x.device) if self.alibi else None)
         with _all_or_nothing([cache]):  # a call that raises leaves the cache as it was
             if cache is not None:  # all its slots, through one mask: causality, window, ALiBi by position
-                slopes = _check_alibi(kw["alibi_slopes"], q)  # (1, nh, 1, 1), in q's precision
+                slopes = _check_alibi(kw["alibi_slopes"], q)  # (1, nh, 1, 1), float32 or wider
                 k, v, attn_mask = cache.update(k, v, positions, attn_mask, self.window_size, slopes)
                 is_causal, kw["window_size"], kw["alibi_slopes"] = False, None, None  # in attn_mask now
             p = self.dropout if self.training else 0.0
@@ -380,7 +380,8 @@ class KVCache:
         self.tokens.copy_((self.pos < L).sum(-1, keepdim=True))
 
     def positions(self, T, attn_mask=None):
-        """(B, T): the positions of a call's T tokens, counting the row's real tokens (padding: the last)."""
+        """(B, T): the positions of a call's T tokens, counting the row's real tokens (a padding token gets
+        the position of the real token before it)."""
         L = self.pos.size(-1)  # a named error, before anything is indexed or written:
         _check_range(self.length + T, 0, L + 1, f"KVCache.length after a call of {T} tokens (max_len={L})")
         real = self._read(attn_mask, T)[0]  # (B or 1, T): the call's real tokens, or None: all
@@ -482,11 +483,11 @@ class LearnedPositionalEncoding(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE: rotate each pair (x_i, x_{i+hs/2}) of q and k by the angle pos * 10000^(-2i/hs) (the paper pairs
+    """RoPE: rotate each pair (x_i, x_{i+hs/2}) of q and k by the angle pos * base^(-2i/hs) (the paper pairs
     (x_{2i}, x_{2i+1}); halves, as Llama and GPT-NeoX: the same attention, the dimensions permuted).
 
-    x: (B, nh, T, hs) -> same shape. The score q_m . k_n then depends on positions
-    only through m - n, so no position is added to the token embedding.
+    x: (B, heads, T, hs) -> same shape. The score q_m . k_n then depends on positions only through m - n,
+    so no position is added to the token embedding; a KVCache keeps keys rotated, never rotated again.
     """
 
     def __init__(self, head_size, max_len, base=10000.0):
@@ -496,17 +497,18 @@ class RotaryEmbedding(nn.Module):
         self.max_len = max_len
         inv_freq = base ** (-torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)  # (hs/2,)
         angle = torch.arange(max_len, dtype=torch.float64)[:, None] * inv_freq  # (max_len, hs/2)
-        # (max_len, hs) each: pair i and i + hs/2 share an angle, its sine signed for the halves swapped
+        # (max_len, hs) each: pair i and i + hs/2 share an angle; the sine is -sin for x1, +sin for x2, so
+        # that the rotation is x * cos + (x2, x1) * sin
         self.register_buffer("cos", torch.cat([angle.cos(), angle.cos()], -1).float(), persistent=False)
         self.register_buffer("sin", torch.cat([-angle.sin(), angle.sin()], -1).float(), persistent=False)
 
     def forward(self, x, positions=None):
         """(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), x1 and x2 the halves of every head's features."""
         pos = _positions(x.size(-2), self.max_len, positions)
-        cos, sin = self.cos[pos].unsqueeze(-3), self.sin[pos].unsqueeze(-3)  # (1 or B, 1, T, hs)
+        cos, sin = self.cos[pos].unsqueeze(-3), self.sin[pos].unsqueeze(-3)  # (1, T, hs) or (B, 1, T, hs)
         x1, x2 = x.chunk(2, dim=-1)
-        swapped = torch.cat([x2, x1], dim=-1)  # (B, nh, T, hs)
-        return (x * cos.to(x.dtype)).addcmul_(swapped, sin.to(x.dtype))
+        swapped = torch.cat([x2, x1], dim=-1)  # (B, heads, T, hs)
+        return (x * cos.to(x.dtype)).addcmul_(swapped, sin.to(x.dtype))  # the sum made in x * cos
 
 
 def alibi_slopes(n_heads, device=None):
@@ -694,13 +696,14 @@ class Encoder(nn.Module):
 
     def kv_caches(self, batch_size, device=None, dtype=None):
         """An empty KVCache per layer, for batch_size sequences of config.max_len tokens (default: on the
-        model's device, in its dtype)."""
+        model's device, in its dtype; under autocast, pass autocast's)."""
         c, w = self.config, self.embed.weight
         return [KVCache(batch_size, c.n_kv_heads or c.n_heads, c.max_len, c.d_model // c.n_heads,
                         device or w.device, dtype or w.dtype) for _ in self.layers]
 
     def attention_weights(self, idx, attn_mask=None, is_causal=False, layer=-1):
-        """Attention probabilities (B, H, T, T) of one layer, through the naive path: what a heatmap shows."""
+        """Attention probabilities (B, H, T, T) of one layer, through the naive path: what a heatmap shows
+        (in eval mode: in training, dropped out)."""
         layer = range(len(self.layers))[layer]  # negative indices count from the last layer
         x = self._embed(idx, None)
         for block in self.layers[:layer]:
@@ -1380,10 +1383,8 @@ class Visibility:
 
     def _positions(self, rows, cols, device):
         """(i, j): the positions of the queries `rows`, (rows, 1) or (B, 1, rows, 1), and the keys `cols`."""
-        if self.positions is not None:  # each row's own: (B, 1, rows, 1) and (B, 1, 1, cols)
-            i, j = self.positions
-            whole = (rows.stop - rows.start, cols.stop - cols.start) == (i.size(-2), j.size(-1))
-            return (i, j) if whole else (i[..., rows, :], j[..., cols])
+        if self.positions is not None:  # each row's own, (B, 1, Lq, 1) and (B, 1, 1, Lk), read by dense()
+            return self.positions
         i = torch.arange(rows.start + self.shift, rows.stop + self.shift, device=device)[:, None]
         return i, torch.arange(cols.start, cols.stop, device=device)[None, :]
 
@@ -1537,9 +1538,11 @@ def attend_block(q, k, v, rows, o, m, l, opts):
     float32 (float64 for float64), are updated in place; opts: block_options. k, v may have fewer heads (GQA;
     o must then be contiguous: the products are added into a view of it in that layout).
     """
+    if q.size(0) * q.size(1) == 0:  # an empty batch, or no heads: nothing to attend
+        return
     q_i = _per_kv_head(q[:, :, rows], k)  # (B, H_kv, G * cq, D)
-    o_i = o.view(*q_i.shape[:-1], -1)  # (B, H_kv, G * cq, Dv), a view: the products are added into o
-    scratch = o.new_empty(q_i.numel() // q_i.size(-1) * min(opts.ck, k.size(-2)))  # S_j and P_j, every j
+    o_i = o.view(*q_i.shape[:-1], o.size(-1))  # (B, H_kv, G * cq, Dv), a view: the products are added into o
+    scratch = o.new_empty(math.prod(q_i.shape[:-1]) * min(opts.ck, k.size(-2)))  # S_j and P_j, every j
     for cols in opts.vis.key_blocks(rows, k.size(-2), opts.ck):
         s = _scores(q_i, k, rows, cols, opts, scratch=scratch)  # (B, H, cq, ck)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
@@ -1566,7 +1569,7 @@ def chunked_forward(q, k, v, opts, cq):
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     out = q.new_empty(B, H, Lq, v.size(-1))
     m_all, log2_l = (q.new_empty(B, H, Lq, 1, dtype=acc_dtype) for _ in range(2))
-    for rows in _blocks(Lq, cq) if B * H else ():  # an empty batch: no block, an empty out
+    for rows in _blocks(Lq, cq):
         m = q.new_full((B, H, rows.stop - rows.start, 1), float("-inf"), dtype=acc_dtype)
         l = torch.zeros_like(m)
         o = q.new_zeros(B, H, rows.stop - rows.start, v.size(-1), dtype=acc_dtype)
@@ -1591,6 +1594,8 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
     them. FlashAttention-2's Algorithm 2 loops the other way, key blocks outside, so that dK_j and
     dV_j stay on chip and dQ is added to in memory instead.
     """
+    if q.size(0) * q.size(1) == 0:  # an empty batch, or no heads: no gradient to add
+        return
     dout_i = dout[:, :, rows]  # (B, H, cq, Dv)
     m, log2_l = m[:, :, rows], log2_l[:, :, rows]  # (B, H, cq, 1)
     delta = (dout_i.to(m.dtype) * out[:, :, rows].to(m.dtype)).sum(-1, keepdim=True)  # rowsum(dO * O)
@@ -1615,7 +1620,7 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
         if pullback is not None:  # back through score_mod; the tensors it reads get theirs (Visibility)
             ds = pullback(ds)
         ds_low = _per_kv_head(ds.to(q.dtype), k)  # rounded to the inputs' dtype for the products, as P is
-        dq[:, :, rows] += _matmul(ds_low, k[:, :, cols]).view(p.shape[:-1] + (-1,))
+        dq[:, :, rows] += _matmul(ds_low, k[:, :, cols]).view(p.shape[:-1] + (dq.size(-1),))
         dk[:, :, cols] += _matmul(ds_low.transpose(-2, -1), q_i)
 
 
@@ -1623,7 +1628,7 @@ def chunked_backward(dout, q, k, v, out, m, log2_l, dq, dk, dv, dmask, opts, cq)
     """The backward: every block of cq query rows adds its share (attend_block_backward) into dq, dk,
     dv (zeros, float32, shaped as q, k, v) and into dmask (a float mask's gradient, float32, shaped as
     the mask) unless None; then the scale and 1 / (1 - p). Returns dq, dk, dv in the inputs' dtype."""
-    for rows in _blocks(q.size(-2), cq) if q.size(0) * q.size(1) else ():
+    for rows in _blocks(q.size(-2), cq):
         attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask, opts)
     dv.mul_(1.0 / (1.0 - opts.dropout_p))
     return dq.mul_(opts.scale).to(q.dtype), dk.mul_(opts.scale).to(k.dtype), dv.to(v.dtype)
@@ -2158,7 +2163,7 @@ _BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(a, b, ou
 def _per_kv_head(x, k):
     """x (B, H, rows, n) as (B, H_kv, G * rows, n): the G query heads that read one K/V head stacked along the
     rows, so one product with each K/V block serves them all (GQA); a view where G = 1 or x is contiguous."""
-    return x.reshape(x.size(0), k.size(1), -1, x.size(-1))
+    return x.reshape(x.size(0), k.size(1), x.size(1) // k.size(1) * x.size(2), x.size(-1))
 
 
 def _matmul(a, b, alpha=1.0, out=None, add=False):
@@ -2174,7 +2179,7 @@ def _matmul(a, b, alpha=1.0, out=None, add=False):
     """
     shape = (*a.shape[:-1], b.size(-1))  # (B, H, m, n)
     a, b = a.flatten(0, 1), b.flatten(0, 1)  # (B*H, m, k), (B*H, k, n)
-    res = None if out is None or add else out[:math.prod(shape)].view(-1, *shape[-2:])  # (B*H, m, n)
+    res = None if out is None or add else out[:math.prod(shape)].view(a.size(0), *shape[-2:])  # (B*H, m, n)
     if a.dtype in (torch.float16, torch.bfloat16):
         if a.is_cuda and _BMM_OUT_DTYPE:
             prod = torch.bmm(a, b, out_dtype=torch.float32, out=res).view(shape)
@@ -2182,7 +2187,7 @@ def _matmul(a, b, alpha=1.0, out=None, add=False):
             return out.add_(prod) if add else prod
         a, b = a.float(), b.float()
     if add:  # a view of out, never a copy that would drop the sum
-        return out.view(-1, *shape[-2:]).baddbmm_(a, b, alpha=alpha).view(shape)
+        return out.view(a.size(0), *shape[-2:]).baddbmm_(a, b, alpha=alpha).view(shape)
     if alpha == 1.0:
         return torch.bmm(a, b, out=res).view(shape)
     return torch.baddbmm(a.new_empty(()), a, b, beta=0, alpha=alpha, out=res).view(shape)  # alpha in the GEMM
@@ -2540,7 +2545,7 @@ def _check_caches(enc, idx, cache, positions):
     why = "every layer's KVCache must hold as many slots and tokens (each row's) as the first layer's"
     if cache[0].pos.is_cpu and not torch.compiler.is_compiling():  # read on the host: no device to wait for
         if not _host_value((state == state[0]).all()):
-            raise ValueError(f"{why}: got (slots, tokens) {_host_value(state)}")
+            raise ValueError(f"{why}: got [slots, each row's tokens] {_host_value(state)}")
         return
     torch._assert_async((state == state[0]).all(), why)
 

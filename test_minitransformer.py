@@ -745,13 +745,17 @@ def test_fully_masked_rows_are_zero_with_zero_grads(impl, dtype):
 
 @pytest.mark.parametrize("impl", mt.IMPLS)
 def test_empty_batches_heads_queries_and_keys_give_what_sdpa_gives(impl):
-    for B, H, Lq, Lk in ((0, 2, 5, 5), (2, 0, 5, 5), (2, 2, 0, 5), (2, 2, 5, 0)):
-        q, k, v = (t.requires_grad_() for t in make_qkv(B, H, Lq, Lk, 8, Dv=6))
-        want = F.scaled_dot_product_attention(q, k, v)  # zeros where a query sees no key
-        out = run_path(impl, q, k, v)
-        assert out.shape == want.shape == (B, H, Lq, 6) and torch.equal(out, want)
-        for g, t in zip(torch.autograd.grad(out.sum(), (q, k, v)), (q, k, v)):
-            assert g.shape == t.shape and not g.any()
+    for B, H, Lq, Lk, D, Dv in ((0, 2, 5, 5, 8, 6), (2, 0, 5, 5, 8, 6), (2, 2, 0, 5, 8, 6), (2, 2, 5, 0, 8, 6),
+                                (2, 2, 5, 5, 0, 6), (2, 2, 5, 5, 8, 0)):
+        q, k, _ = make_qkv(B, H, Lq, Lk, D)
+        v = torch.randn(B, H, Lk, Dv, dtype=torch.float64)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        want = F.scaled_dot_product_attention(q, k, v, scale=1.0)  # zeros where a query sees no key
+        out = run_path(impl, q, k, v, scale=1.0)
+        assert out.shape == want.shape == (B, H, Lq, Dv)
+        torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+        for g, g_want in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v))):
+            torch.testing.assert_close(g, g_want, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("kw", [{}, {"is_causal": True}, {"window_size": 5}, {"window_size": 4, "is_causal": True},
@@ -1786,7 +1790,7 @@ def test_the_encoder_refuses_caches_that_disagree_across_layers():
                                 ([cache[0], enc.kv_caches(2)[1]], r"of \{1, 2\} rows"),
                                 ([cache[0], mt.KVCache(1, 2, 9, 32)], r"max_len \{8, 9\}"),
                                 (cache, r"every layer's KVCache must hold as many slots and tokens \(each row's\) as the "
-                                        r"first layer's: got \(slots, tokens\) \[\[4, 4\], \[6, 6\]\]")):
+                                        r"first layer's: got \[slots, each row's tokens\] \[\[4, 4\], \[6, 6\]\]")):
             with pytest.raises(ValueError, match=message):
                 enc(token, is_causal=True, cache=caches)
         assert_caches_unchanged(cache, before)
@@ -3895,8 +3899,24 @@ def ring_memory_case(rank, world, mode, chunk_size):
     return peak.mib / (sum(cost_model.ring_memory(1, 8, n, D, D, 4, mode, world, cq, ck).values()) / 2**20)
 
 
+def ring_empty_case(rank, world):
+    """Shards of an empty batch, of no heads, of head size 0 and of value size 0: each rank's output and its
+    gradients against SDPA's on the whole (empty) sequence, as (shape, max difference) pairs."""
+    got, g = [], torch.Generator().manual_seed(0)  # the same whole sequence on every rank
+    for B, H, D, Dv in ((0, 2, 8, 8), (2, 0, 8, 8), (2, 2, 0, 6), (2, 2, 8, 0)):
+        q, k = (torch.randn(B, H, 4 * world, D, generator=g, dtype=torch.float64) for _ in range(2))
+        v = torch.randn(B, H, 4 * world, Dv, generator=g, dtype=torch.float64)
+        want = F.scaled_dot_product_attention(q, k, v, scale=1.0)[:, :, 4 * rank:4 * rank + 4]
+        shard = [t[:, :, 4 * rank:4 * rank + 4].clone().requires_grad_() for t in (q, k, v)]
+        out = ring.ring_attention(*shard, scale=1.0, chunk_size=2)
+        grads = torch.autograd.grad(out.sum(), shard)
+        got.append((tuple(out.shape) == tuple(want.shape), (out - want).abs().max().item() if out.numel() else 0.0,
+                    [g.shape == t.shape for g, t in zip(grads, shard)]))
+    return got
+
+
 RING_CASES = {"attention": ring_attention_case, "encoder": ring_encoder_case, "errors": ring_errors_case,
-              "options": ring_options_case, "memory": ring_memory_case}
+              "options": ring_options_case, "memory": ring_memory_case, "empty": ring_empty_case}
 
 
 def _ring_worker(rank, world, store, cases, results):
@@ -3926,6 +3946,13 @@ def run_ring(world, cases, folder):
     for rank, res in got.items():
         assert isinstance(res, dict), f"rank {rank} failed:\n{res}"
     return {case: [got[r][case] for r in range(world)] for case in cases}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_ring_attention_of_empty_batches_heads_and_head_sizes_is_sdpas(world, tmp_path):
+    for per_shape in run_ring(world, [("empty",)], tmp_path)[("empty",)]:
+        for same_shape, err, grad_shapes in per_shape:
+            assert same_shape and err < 1e-12 and all(grad_shapes), per_shape
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
