@@ -208,8 +208,10 @@ POS_ENCODINGS = ("sinusoidal", "learned", "rope", "alibi")
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, impl="flash",
               window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None, enable_gqa=False,
               score_mod=None):
-    """softmax(Q K^T * scale + M) V, as the core computes it, through impl: one of IMPLS (the appendix's
-    paths), or a function with their arguments (ring_attention.ring_impl, approximate_attention's modules).
+    """softmax(Q K^T * scale + M) V, equal to the core where both apply, through impl: one of IMPLS (the
+    appendix's paths: "naive", the formula with its (Lq, Lk) scores; "chunked", the blockwise algorithm in
+    O(L) memory; "flash", PyTorch's fused kernels), or a function with their arguments
+    (ring_attention.ring_impl, approximate_attention's modules).
 
     q (B, H, Lq, D), k and v (B, H_kv, Lk, D or Dv) -> (B, H, Lq, Dv). attn_mask: bool, True where a query may
     attend, or float, added to the scores, broadcast to (B, H, Lq, Lk); is_causal: query i sees keys j <= i.
@@ -245,9 +247,10 @@ class MultiHeadAttention(nn.Module):
     """MultiHead(X) = Concat(head_1, ..., head_h) W^O,  head_i = Attention(X W_i^Q, X W_i^K, X W_i^V).
 
     x: (B, T, C) with C = d_model, batch first. The three input projections are one linear layer, C -> C +
-    2 * n_kv_heads * hs (hs = C / n_heads), its weight laid out as nn.MultiheadAttention's in_proj_weight:
-    q's rows, k's, then v's. n_kv_heads below n_heads: grouped-query attention (1: multi-query), query head
-    h reading K/V head h // (n_heads / n_kv_heads), as Llama's repeat_kv (x-transformers: h % n_kv_heads).
+    2 * n_kv_heads * hs (hs = C / n_heads, the tutorials' d_k), its weight laid out as
+    nn.MultiheadAttention's in_proj_weight: q's rows, k's, then v's. n_kv_heads below n_heads: grouped-query
+    attention (1: multi-query), a KV cache n_heads / n_kv_heads times smaller, query head h reading K/V head
+    h // (n_heads / n_kv_heads), as Llama's repeat_kv (x-transformers: h % n_kv_heads).
     impl: one of IMPLS, or an attention function (see attention()). rope: an optional RotaryEmbedding for q
     and k of every head; alibi: ALiBi's bias in every head (alibi_slopes, float32 whatever the module's);
     score_mod: FlexAttention's (flex_attention), a function, a module or a module's method: that module's
@@ -390,8 +393,10 @@ class KVCache:
         return (self.tokens + real.cumsum(-1) - 1).clamp(min=0)
 
     def update(self, k, v, positions, attn_mask=None, window_size=None, alibi_slopes=None):
-        """Write k, v (B, n_kv_heads, T, hs) into the next T slots; return all of k and v, and the mask
-        through which queries at `positions` (B, T) see them (ALiBi's slopes: (1, H, 1, 1))."""
+        """Write k, v (B, n_kv_heads, T, hs) into the next T slots; return all of k and v (every one of the
+        max_len slots: one shape for every step) and the mask through which queries at `positions` (B, T) see
+        them: bool, key j seen where pos_j <= the query's position (and within the window), or with ALiBi's
+        slopes ((1, H, 1, 1)) a float bias, -inf where hidden."""
         if any(t.shape[:2] != self.k.shape[:2] or t.dtype != self.k.dtype for t in (k, v)):
             raise ValueError(f"a cache of {tuple(self.k.shape)} {self.k.dtype} takes its (B, H_kv) and "
                              f"dtype: got k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype}")
@@ -630,6 +635,8 @@ class Encoder(nn.Module):
 
     h = PosEnc(Embed(idx) * sqrt(d_model)), then n_layers EncoderLayers, then a final LayerNorm for pre-LN
     (post-LN layers already end in one). score_mod: FlexAttention's, one for all layers (MultiHeadAttention).
+    Called with is_causal=True it is a decoder-only model (GPT's, Llama's: no cross-attention), which KVCaches
+    serve token by token.
     """
 
     def __init__(self, config, score_mod=None):
