@@ -605,13 +605,13 @@ class EncoderLayer(nn.Module):
 @dataclass
 class EncoderConfig:
     vocab_size: int = 32  # number of token ids, 0 .. vocab_size - 1
-    max_len: int = 512  # longest sequence the positional encoding accepts
+    max_len: int = 512  # longest sequence the positional encoding accepts, and a KV cache's slots
     d_model: int = 128  # width of the residual stream
     n_heads: int = 4  # attention heads; d_model / n_heads is the head size
     n_kv_heads: int | None = None  # K/V heads, a divisor of n_heads (grouped-query attention); None = n_heads
     n_layers: int = 2  # encoder layers
     d_ff: int = 512  # hidden width of the feed-forward block (4 * d_model in the paper)
-    dropout: float = 0.0  # dropout on attention probabilities, residual branches and embeddings
+    dropout: float = 0.0  # on attention probabilities, residual branches, the feed-forward and embeddings
     norm_first: bool = True  # pre-LN (stable without warm-up tricks); False = post-LN as in the paper
     activation: str = "relu"  # "relu" or "gelu"
     impl: str = "flash"  # attention path: "naive", "chunked" or "flash"
@@ -656,7 +656,7 @@ class Encoder(nn.Module):
                          alibi=c.pos_encoding == "alibi", n_kv_heads=c.n_kv_heads, score_mod=score_mod)
             for _ in range(c.n_layers))
         self.norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps) if c.norm_first else nn.Identity()
-        user = getattr(score_mod, "__self__", score_mod)  # a score_mod module keeps its own init (a table)
+        user = getattr(score_mod, "__self__", score_mod)  # a score_mod module (or a method's) keeps its init
         theirs = set(user.modules()) if isinstance(user, nn.Module) else set()
         for module in (m for m in self.modules() if m not in theirs):
             self._init_weights(module)
@@ -691,7 +691,7 @@ class Encoder(nn.Module):
         KVCache)."""
         _check_caches(self, idx, cache, positions)
         if (positions is None) and (cu_seqlens is not None) and (self.config.pos_encoding != "alibi"):
-            _, positions = documents(cu_seqlens, idx.size(1), idx.device)  # (T,); ALiBi: cu_seqlens itself
+            _, positions = documents(cu_seqlens, idx.size(1), idx.device)  # (T,); ALiBi's |i - j| needs none
         caches = [None] * len(self.layers) if cache is None else cache
         with _all_or_nothing(caches):  # a call that raises leaves every cache as it was
             if cache is not None:  # (B, T): each row's own, the same in every layer's cache (_check_caches)
