@@ -1641,10 +1641,12 @@ def chunked_backward(dout, q, k, v, out, m, log2_l, dq, dk, dv, dmask, opts, cq)
     return dq.mul_(opts.scale).to(q.dtype), dk.mul_(opts.scale).to(k.dtype), dv.to(v.dtype)
 
 
-def default_chunk_size(device):
+def default_chunk_size(device, Lq=None):
     """(query block, key block). CPU: the best of the sizes measured (results/README.md, "The chunked path");
-    elsewhere a guess that keeps kernel launches few, not yet measured."""
-    return (256, 256) if torch.device(device).type == "cpu" else (512, 512)
+    elsewhere a guess that keeps kernel launches few, not yet measured. Lq queries, fewer than a query block,
+    take more keys a block, in the same area cq x ck: a decode step's one query sees 256 x 256 keys at once."""
+    cq, ck = (256, 256) if torch.device(device).type == "cpu" else (512, 512)
+    return (cq, ck) if Lq is None or Lq >= cq else (cq, cq * ck // max(Lq, 1))
 
 
 def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
@@ -1664,7 +1666,7 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     block_mask, attn_mask = (attn_mask, None) if isinstance(attn_mask, BlockMask) else (None, attn_mask)
     q, k, v, attn_mask, is_causal, shift, scale = _attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
-    cq, ck = _chunks(default_chunk_size(q.device) if chunk_size is None else chunk_size)
+    cq, ck = _chunks(default_chunk_size(q.device, q.size(-2)) if chunk_size is None else chunk_size)
     seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
     alibi_slopes = _check_alibi(alibi_slopes, q)
     if score_mod is not None or block_mask is not None:  # Python functions: no custom operator takes them
