@@ -616,7 +616,7 @@ class EncoderConfig:
     activation: str = "relu"  # "relu" or "gelu"
     impl: str = "flash"  # attention path: "naive", "chunked" or "flash"
     pos_encoding: str = "sinusoidal"  # "sinusoidal", "learned", "rope" or "alibi"
-    chunk_size: int | None = None  # block size of the chunked path; None = default_chunk_size(device)
+    chunk_size: int | None = None  # block size of the chunked path; None: default_chunk_size's
     window_size: int | None = None  # local attention: keys within this distance; None = global
     layer_norm_eps: float = 1e-5  # epsilon of every LayerNorm
 
@@ -1644,7 +1644,9 @@ def chunked_backward(dout, q, k, v, out, m, log2_l, dq, dk, dv, dmask, opts, cq)
 def default_chunk_size(device, Lq=None):
     """(query block, key block). CPU: the best of the sizes measured (results/README.md, "The chunked path");
     elsewhere a guess that keeps kernel launches few, not yet measured. Lq queries, fewer than a query block,
-    take more keys a block, in the same area cq x ck: a decode step's one query sees 256 x 256 keys at once."""
+    take more keys a block, in the same area cq x ck: a decode step's one query, all its keys at once.
+    chunked_attention asks so for 32- and 64-bit inputs only: a CPU copies 16-bit blocks to float32 (_matmul),
+    and a large block's copy costs more than the fewer blocks save."""
     cq, ck = (256, 256) if torch.device(device).type == "cpu" else (512, 512)
     return (cq, ck) if Lq is None or Lq >= cq else (cq, cq * ck // max(Lq, 1))
 
@@ -1666,7 +1668,8 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     block_mask, attn_mask = (attn_mask, None) if isinstance(attn_mask, BlockMask) else (None, attn_mask)
     q, k, v, attn_mask, is_causal, shift, scale = _attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
-    cq, ck = _chunks(default_chunk_size(q.device, q.size(-2)) if chunk_size is None else chunk_size)
+    Lq = q.size(-2) if q.dtype.itemsize >= 4 else None  # few queries: more keys a block (default_chunk_size)
+    cq, ck = _chunks(default_chunk_size(q.device, Lq) if chunk_size is None else chunk_size)
     seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
     alibi_slopes = _check_alibi(alibi_slopes, q)
     if score_mod is not None or block_mask is not None:  # Python functions: no custom operator takes them
