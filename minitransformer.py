@@ -1641,14 +1641,15 @@ def chunked_backward(dout, q, k, v, out, m, log2_l, dq, dk, dv, dmask, opts, cq)
     return dq.mul_(opts.scale).to(q.dtype), dk.mul_(opts.scale).to(k.dtype), dv.to(v.dtype)
 
 
-def default_chunk_size(device, Lq=None):
+def default_chunk_size(device, Lq=None, dtype=torch.float32):
     """(query block, key block). CPU: the best of the sizes measured (results/README.md, "The chunked path");
-    elsewhere a guess that keeps kernel launches few, not yet measured. Lq queries, fewer than a query block,
-    take more keys a block, in the same area cq x ck: a decode step's one query, all its keys at once.
-    chunked_attention asks so for 32- and 64-bit inputs only: a CPU copies 16-bit blocks to float32 (_matmul),
-    and a large block's copy costs more than the fewer blocks save."""
+    elsewhere a guess that keeps kernel launches few, not yet measured. Lq queries of a 32- or 64-bit dtype,
+    fewer than a query block, take more keys a block, in the same area cq x ck: a decode step's one query, all
+    its keys at once (16-bit blocks are not grown: a CPU copies them to float32, _matmul, and a large block's
+    copy costs more than the fewer blocks save)."""
     cq, ck = (256, 256) if torch.device(device).type == "cpu" else (512, 512)
-    return (cq, ck) if Lq is None or Lq >= cq else (cq, cq * ck // max(Lq, 1))
+    grow = Lq is not None and Lq < cq and dtype.itemsize >= 4
+    return (cq, cq * ck // max(Lq, 1)) if grow else (cq, ck)
 
 
 def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
@@ -1668,8 +1669,7 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     block_mask, attn_mask = (attn_mask, None) if isinstance(attn_mask, BlockMask) else (None, attn_mask)
     q, k, v, attn_mask, is_causal, shift, scale = _attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
-    Lq = q.size(-2) if q.dtype.itemsize >= 4 else None  # few queries: more keys a block (default_chunk_size)
-    cq, ck = _chunks(default_chunk_size(q.device, Lq) if chunk_size is None else chunk_size)
+    cq, ck = _chunks(default_chunk_size(q.device, q.size(-2), q.dtype) if chunk_size is None else chunk_size)
     seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
     alibi_slopes = _check_alibi(alibi_slopes, q)
     if score_mod is not None or block_mask is not None:  # Python functions: no custom operator takes them

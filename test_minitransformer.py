@@ -758,6 +758,26 @@ def test_empty_batches_heads_queries_and_keys_give_what_sdpa_gives(impl):
             torch.testing.assert_close(g, g_want, atol=1e-12, rtol=0)
 
 
+def test_few_queries_take_more_keys_a_block_in_the_same_area():
+    cq, ck = mt.default_chunk_size("cpu")
+    for Lq in (1, 3, 100, 255):
+        assert mt.default_chunk_size("cpu", Lq, torch.bfloat16) == (cq, ck)  # 16-bit blocks: copied, not grown
+        for dtype in (torch.float32, torch.float64):
+            q_block, k_block = mt.default_chunk_size("cpu", Lq, dtype)
+            assert q_block == cq and ck < k_block and Lq * k_block <= cq * ck
+    assert mt.default_chunk_size("cpu", cq, torch.float32) == (cq, ck)
+    # a decode step's 3 queries against 2000 keys in one grown block each, as SDPA's math kernel in float64
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 4, 3, 2000, 16))
+    bias = torch.nn.attention.bias.causal_lower_right(3, 2000)
+    out = mt.chunked_attention(q, k, v, bias)
+    with sdpa_kernel(SDPBackend.MATH):
+        want = F.scaled_dot_product_attention(q, k, v, bias)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    dout = torch.randn_like(out)
+    for g, g_want in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+        torch.testing.assert_close(g, g_want, atol=1e-12, rtol=0)
+
+
 @pytest.mark.parametrize("kw", [{}, {"is_causal": True}, {"window_size": 5}, {"window_size": 4, "is_causal": True},
                                 {"attn_mask": "bool", "is_causal": True}, {"attn_mask": "float"}])
 def test_chunked_gradcheck(kw):
