@@ -5,7 +5,8 @@
 B = 1, H = 8, D = 64, float32, one process; times are medians of interleaved rounds, memory the allocator's
 peak above what was live before (study._AllocPeak):
 - each named option of chunked_attention beside flex_attention with the mod a user writes, fwd+bwd at n = 4096,
-  the BlockMask built once at the chunked path's CPU block size (256): 10 rounds;
+  the BlockMask built once at the chunked path's CPU block size (256): 10 rounds; and four causal documents
+  through is_causal and cu_seqlens beside the same as a mask_mod plus a tanh softcap as score_mod;
 - fwd+bwd memory at n = 16384: four equal documents with causality inside each and a tanh softcap through
   flex_attention, beside chunked with is_causal and cu_seqlens;
 - create_block_mask (this module's) beside torch's eager one: four equal documents, causal inside each,
@@ -63,6 +64,10 @@ def named_options(n=4096, rounds=10):
         "window 256": (dict(window_size=256), dict(block_mask=block_mask(lambda b, h, i, j: (i - j).abs() <= 256))),
         "4 documents": (dict(cu_seqlens=cu_seqlens), dict(block_mask=block_mask(lambda b, h, i, j: docs[i] == docs[j]))),
         "ALiBi": (dict(alibi_slopes=slopes), dict(score_mod=lambda s, b, h, i, j: s - slopes[h] * (i - j).abs())),
+        "4 causal documents, + tanh softcap as its mod": (
+            dict(is_causal=True, cu_seqlens=cu_seqlens),
+            dict(block_mask=block_mask(lambda b, h, i, j: (docs[i] == docs[j]) & (i >= j)),
+                 score_mod=lambda s, b, h, i, j: 30 * torch.tanh(s / 30))),
     }
     rows = []
     for name, (named, mods) in cases.items():
@@ -140,7 +145,7 @@ def main():
     device = study.describe_device({"device": "cpu"})["label"]
     sections = [
         ("Each named option of chunked_attention and its mod through flex_attention: fwd+bwd at n = 4096, ms, "
-         "medians of 10 interleaved rounds", "| option | named | as its mod | mod / named |\n| --- | --- | --- | --- |",
+         "medians of 10 interleaved rounds (the last row: the softcap's cost on top of the mod)", "| option | named | as its mod | mod / named |\n| --- | --- | --- | --- |",
          named_options()),
         ("create_block_mask, four documents with causality inside each, B = H = None, BLOCK_SIZE 128: median of 3 "
          "interleaved rounds (1 at 65536) and the allocator's peak; beside it, one fwd+bwd of flex_attention with "
