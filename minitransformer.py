@@ -138,7 +138,7 @@ class BlockwiseAttention(torch.autograd.Function):
         q, k, v, out, lse, attn_mask = ctx.saved_tensors
         size, scale = ctx.block_size, 1.0 / math.sqrt(q.size(-1))
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        delta = (dout * out).sum(-1, keepdim=True)  # Delta_i = dO_i . O_i = sum_j P_ij dP_ij, (B, H, Lq, 1)
+        delta = (dout * out).sum(-1, keepdim=True)  # Delta_i = sum_j P_ij dP_ij (all keys j) = dO_i . O_i
         for cols in _blocks(k.size(-2), size):  # keys outside, as in Algorithm 2: dK_j, dV_j summed in place
             first = cols.start // size if ctx.is_causal else 0  # causal: the first query block to reach cols
             for rows in _blocks(q.size(-2), size)[first:]:  # (query and key blocks have one size)
@@ -146,7 +146,7 @@ class BlockwiseAttention(torch.autograd.Function):
                 p = torch.exp(s - lse[..., rows, :])  # P
                 dv[..., cols, :] += p.transpose(-2, -1) @ dout[..., rows, :]
                 dp = dout[..., rows, :] @ v[..., cols, :].transpose(-2, -1)
-                ds = p * (dp - delta[..., rows, :])  # softmax's Jacobian times dP
+                ds = p * (dp - delta[..., rows, :])  # softmax's Jacobian (diag(P) - P P^T) times dP
                 dq[..., rows, :] += ds @ k[..., cols, :] * scale
                 dk[..., cols, :] += ds.transpose(-2, -1) @ q[..., rows, :] * scale
         return dq, dk, dv, None, None, None
@@ -540,7 +540,8 @@ class EncoderLayer(nn.Module):
     post-LN (the paper's, and torch's default): x = LN(x + SA(x));   x = LN(x + FF(x))
     pre-LN (norm_first=True, EncoderConfig's):  x = x + SA(LN(x));   x = x + FF(LN(x))
     FF(x) = W2 dropout(act(W1 x + b1)) + b2; SA's and FF's outputs pass through dropout before the sum (the
-    paper's residual dropout: dropout1, dropout2). x: (B, T, d_model) -> (B, T, d_model).
+    paper's residual dropout: dropout1, dropout2), and SA drops attention weights too. x: (B, T, d_model) ->
+    (B, T, d_model).
     """
 
     def __init__(self, d_model, n_heads, d_ff, dropout=0.1, norm_first=False, activation="relu", impl="flash",

@@ -6,7 +6,8 @@ B = 1, H = 8, D = 64, float32, one process; times are medians of interleaved rou
 peak above what was live before (study._AllocPeak):
 - each named option of chunked_attention beside flex_attention with the mod a user writes, fwd+bwd at n = 4096,
   the BlockMask built once at the chunked path's CPU block size (256): 10 rounds; and four causal documents
-  through is_causal and cu_seqlens beside the same as a mask_mod plus a tanh softcap as score_mod;
+  through is_causal and cu_seqlens beside the same as a mask_mod, alone, with s / 2 as score_mod (a mod that
+  is not a bias, without a tanh) and with a tanh softcap as score_mod;
 - fwd+bwd memory at n = 16384: four equal documents with causality inside each and a tanh softcap through
   flex_attention, beside chunked with is_causal and cu_seqlens;
 - create_block_mask (this module's) beside torch's eager one: four equal documents, causal inside each,
@@ -64,10 +65,15 @@ def named_options(n=4096, rounds=10):
         "window 256": (dict(window_size=256), dict(block_mask=block_mask(lambda b, h, i, j: (i - j).abs() <= 256))),
         "4 documents": (dict(cu_seqlens=cu_seqlens), dict(block_mask=block_mask(lambda b, h, i, j: docs[i] == docs[j]))),
         "ALiBi": (dict(alibi_slopes=slopes), dict(score_mod=lambda s, b, h, i, j: s - slopes[h] * (i - j).abs())),
-        "4 causal documents, + tanh softcap as its mod": (
-            dict(is_causal=True, cu_seqlens=cu_seqlens),
-            dict(block_mask=block_mask(lambda b, h, i, j: (docs[i] == docs[j]) & (i >= j)),
-                 score_mod=lambda s, b, h, i, j: 30 * torch.tanh(s / 30))),
+    }
+    causal_docs = (dict(is_causal=True, cu_seqlens=cu_seqlens),
+                   block_mask(lambda b, h, i, j: (docs[i] == docs[j]) & (i >= j)))
+    cases |= {  # then the cost of a score_mod that is not a bias on top: one without a tanh, and the softcap
+        "4 causal documents": (causal_docs[0], dict(block_mask=causal_docs[1])),
+        "4 causal documents, + s / 2 as its mod": (causal_docs[0], dict(block_mask=causal_docs[1],
+                                                                      score_mod=lambda s, b, h, i, j: s / 2)),
+        "4 causal documents, + tanh softcap as its mod": (causal_docs[0], dict(
+            block_mask=causal_docs[1], score_mod=lambda s, b, h, i, j: 30 * torch.tanh(s / 30))),
     }
     rows = []
     for name, (named, mods) in cases.items():
@@ -145,7 +151,7 @@ def main():
     device = study.describe_device({"device": "cpu"})["label"]
     sections = [
         ("Each named option of chunked_attention and its mod through flex_attention: fwd+bwd at n = 4096, ms, "
-         "medians of 10 interleaved rounds (the last row: the softcap's cost on top of the mod)", "| option | named | as its mod | mod / named |\n| --- | --- | --- | --- |",
+         "medians of 10 interleaved rounds (the last two rows: a score_mod on top of the mask_mod)", "| option | named | as its mod | mod / named |\n| --- | --- | --- | --- |",
          named_options()),
         ("create_block_mask, four documents with causality inside each, B = H = None, BLOCK_SIZE 128: median of 3 "
          "interleaved rounds (1 at 65536) and the allocator's peak; beside it, one fwd+bwd of flex_attention with "

@@ -1,16 +1,19 @@
 """Hugging Face models on the chunked path (hf_attention, hf_block_mask): the script that produced figures.md.
 
     pip install transformers          # not a dependency of minitransformer: a scratch environment
-    python results/hf/figures.py      # from the repository root; about 2 min on 2 CPU cores
+    python results/hf/figures.py      # from the repository root; about 2.5 min on 2 CPU cores
 
 1. Equality, float64. Tiny random Llama (grouped-query attention), Mistral (sliding window 6) and Gemma 2
    (tanh softcap 5, every other layer a window of 6), two rows of 24 tokens, the second with 5 padding tokens
    on the left. hf_attention with each mask function (sdpa_mask's bool mask, eager_mask's finfo.min, and
    hf_block_mask's BlockMask) against a reference written here: Hugging Face's eager attention with its
    softmax in float64 (theirs takes it in float32) and rows that see no key zeroed. Given: the largest
-   relative error (|a - b| over the largest |b| of that tensor) of the last layer's output at real tokens
-   (before the final norm: Hugging Face's RMSNorm computes in float32 and would round the differences
-   away) and of every parameter's gradient of a loss on it, and whether 8 greedy tokens per row match.
+   relative error (|a - b| over the largest |b| of that tensor) of every layer's attention output at real
+   tokens (not the logits: Hugging Face's RMSNorm computes in float32 and rounds differences away, and
+   Gemma 2's norms round every sublayer's output), and of every parameter's gradient of a loss on the last
+   layer's output (all but the final norm's and lm_head's), and whether 8 greedy tokens per row match
+   (Gemma 2's random weights repeat one token: a weak check there). Gemma 2's query_pre_attn_scalar is not
+   its head size, so that a path ignoring the scale hands it fails.
 2. Memory, float32. One Llama layer (d_model 512, 8 heads, 2 K/V heads, MLP 1024, vocabulary 256), fwd+bwd
    of its logits' sum, two rows, the second with n / 8 padding tokens on the left: the allocator's peak above
    what was live before (study._AllocPeak), for transformers' eager and SDPA attention and for hf_attention
@@ -39,6 +42,7 @@ def reference(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     """Hugging Face's eager attention (scores, softcap, mask, softmax, values), the softmax in the inputs'
     dtype, a row that sees no key giving 0. query (B, H, L, D), key and value (B, H_kv, Lk, D) ->
     ((B, L, H, D), None). The mask: sdpa_mask's, made whole (reference_mask)."""
+    assert dropout == 0.0, "the reference has no dropout"
     G = query.size(1) // key.size(1)
     key, value = key.repeat_interleave(G, dim=1), value.repeat_interleave(G, dim=1)  # (B, H, Lk, D)
     s = query @ key.transpose(-2, -1) * scaling  # (B, H, L, Lk)
@@ -72,7 +76,7 @@ def tiny_configs():
             "Gemma 2 (softcap 5, window 6)": Gemma2Config(**common, head_dim=16, sliding_window=6,
                                                            attn_logit_softcapping=5.0,
                                                            final_logit_softcapping=None,
-                                                           query_pre_attn_scalar=16)}
+                                                           query_pre_attn_scalar=24)}
 
 
 def model(config, attn, dtype, state=None):
@@ -92,7 +96,12 @@ def padded_batch(n, pad, vocab, gen):
 
 
 def rel(a, b):
+    """|a - b| over the largest |b|; NaN anywhere in a gives NaN (so does a b of zeros)."""
     return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def worst(errors):
+    return torch.tensor(errors).max().item()  # NaN propagates, where Python's max would skip it
 
 
 def equality():
@@ -104,21 +113,26 @@ def equality():
         real = mask.bool()[..., None]  # (2, 24, 1)
 
         def run(m):
-            last = []  # the last layer's output, before the final norm (which rounds to float32)
-            hook = m.model.layers[-1].register_forward_hook(lambda module, args, out: last.append(out))
+            attn, last = [], []  # every layer's attention output (B, L, C); the last layer's output
+            hooks = [layer.self_attn.register_forward_hook(lambda module, args, out: attn.append(out[0]))
+                     for layer in m.model.layers]
+            hooks.append(m.model.layers[-1].register_forward_hook(lambda module, args, out: last.append(out)))
             m(ids, attention_mask=mask)
-            hook.remove()
+            for hook in hooks:
+                hook.remove()
             (last[0] * weights).masked_fill(~real, 0.0).sum().backward()
             grads = {p_name: p.grad for p_name, p in m.named_parameters() if p.grad is not None}
+            assert all(t.isfinite().all() for t in [*attn, *grads.values()]), "NaN or inf"
             new = m.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)[:, ids.size(1):]
-            return last[0].detach().masked_fill(~real, 0.0), grads, new
+            return [a.detach().masked_fill(~real, 0.0) for a in attn], grads, new
         ref = model(config, "reference", torch.float64)
         ref_hidden, ref_grads, ref_new = run(ref)
         cells = []
         for mask_name in MASKS:
             hidden, grads, new = run(model(config, mask_name, torch.float64, ref.state_dict()))
-            grad_error = max(rel(grads[p], ref_grads[p]) for p in ref_grads)
-            cells.append(f"{rel(hidden, ref_hidden):.1e}, {grad_error:.1e}, "
+            out_error = worst([rel(a, b) for a, b in zip(hidden, ref_hidden, strict=True)])
+            grad_error = worst([rel(grads[p], ref_grads[p]) for p in ref_grads])
+            cells.append(f"{out_error:.1e}, {grad_error:.1e}, "
                          f"{'same' if torch.equal(new, ref_new) else 'DIFFERENT'}")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
         print(rows[-1], flush=True)
@@ -155,9 +169,8 @@ def main():
     sections = [
         ("Equality, float64: tiny random models, two rows of 24 tokens (the second with 5 padding tokens on the "
          "left), hf_attention with each mask function against a float64 reference (Hugging Face's eager "
-         "attention, softmax in float64). Each cell: the largest relative error of the last layer's output at real "
-         "tokens (before the final norm, which rounds to float32), of any parameter's gradient, and whether 8 "
-         "greedy tokens per row match",
+         "attention, softmax in float64). Each cell: the largest relative error of any layer's attention output at "
+         "real tokens, of any parameter's gradient, and whether 8 greedy tokens per row match",
          "| model | sdpa_mask (bool) | eager_mask (finfo.min) | hf_block_mask (BlockMask) |\n| --- | --- | --- | --- |", equality()),
         ("Memory, float32: one Llama layer (d_model 512, 8 heads, 2 K/V heads), fwd+bwd, two rows (the second "
          "with n / 8 padding tokens on the left), the allocator's peak above what was live before, MiB",
