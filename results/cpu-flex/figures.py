@@ -66,14 +66,14 @@ def named_options(n=4096, rounds=10):
         "4 documents": (dict(cu_seqlens=cu_seqlens), dict(block_mask=block_mask(lambda b, h, i, j: docs[i] == docs[j]))),
         "ALiBi": (dict(alibi_slopes=slopes), dict(score_mod=lambda s, b, h, i, j: s - slopes[h] * (i - j).abs())),
     }
-    causal_docs = (dict(is_causal=True, cu_seqlens=cu_seqlens),
-                   block_mask(lambda b, h, i, j: (docs[i] == docs[j]) & (i >= j)))
+    causal_named = dict(is_causal=True, cu_seqlens=cu_seqlens)  # four causal documents
+    causal_docs = block_mask(lambda b, h, i, j: (docs[i] == docs[j]) & (i >= j))
     cases |= {  # then the cost of a score_mod that is not a bias on top: one without a tanh, and the softcap
-        "4 causal documents": (causal_docs[0], dict(block_mask=causal_docs[1])),
-        "4 causal documents, + s / 2 as its mod": (causal_docs[0], dict(block_mask=causal_docs[1],
-                                                                      score_mod=lambda s, b, h, i, j: s / 2)),
-        "4 causal documents, + tanh softcap as its mod": (causal_docs[0], dict(
-            block_mask=causal_docs[1], score_mod=lambda s, b, h, i, j: 30 * torch.tanh(s / 30))),
+        "4 causal documents": (causal_named, dict(block_mask=causal_docs)),
+        "4 causal documents, + s / 2 as its mod": (causal_named, dict(
+            block_mask=causal_docs, score_mod=lambda s, b, h, i, j: s / 2)),
+        "4 causal documents, + tanh softcap as its mod": (causal_named, dict(
+            block_mask=causal_docs, score_mod=lambda s, b, h, i, j: 30 * torch.tanh(s / 30))),
     }
     rows = []
     for name, (named, mods) in cases.items():
