@@ -1354,9 +1354,11 @@ class Visibility:
         the identity)."""
         mod, pullback = self.score_mod, None
         if mod is not None and mod.bias is not None:  # score + f: f added in place, in base 2
-            s = s.add_(mod.bias(None, *mod.indices(rows, cols), *self.score_inputs), alpha=mod.sign * LOG2E)
-            if backward and mod.learned(self.score_inputs):
-                pullback = self._bias_pullback(rows, cols)
+            if backward and mod.learned(self.score_inputs):  # f made once, under autograd
+                f, pullback = self._bias_pullback(rows, cols)
+            else:
+                f = mod.bias(None, *mod.indices(rows, cols), *self.score_inputs)
+            s = s.add_(f.detach(), alpha=mod.sign * LOG2E)
         elif mod is not None:  # in nats, then base 2 in a new tensor: the mod's result may be a view
             s, pullback = self._pullback(s, rows, cols) if backward else (
                 mod(s, rows, cols, self.score_inputs), None)
@@ -1445,7 +1447,8 @@ class Visibility:
         return out.detach(), pullback
 
     def _bias_pullback(self, rows, cols):
-        """For score + f: ds passes through unchanged; the stand-ins that require grad get f's share of it."""
+        """For score + f: f on the block, and the pullback through which ds passes unchanged, the stand-ins that
+        require grad getting f's share of it."""
         mod = self.score_mod
         with torch.enable_grad():
             f = mod.bias(None, *mod.indices(rows, cols), *self.score_inputs)
@@ -1454,7 +1457,7 @@ class Visibility:
             learned = mod.learned(self.score_inputs)
             torch.autograd.backward(f, ds.sum_to_size(f.shape) * mod.sign, inputs=learned)
             return ds
-        return pullback
+        return f, pullback
 
 
 def _apply_mask(scores, mask):
