@@ -1455,7 +1455,8 @@ class Visibility:
 
         def pullback(ds):
             learned = mod.learned(self.score_inputs)
-            torch.autograd.backward(f, ds.sum_to_size(f.shape) * mod.sign, inputs=learned)
+            df = ds.sum_to_size(f.shape)  # ds itself where f has the block's shape: never written to
+            torch.autograd.backward(f, df if mod.sign > 0 else -df, inputs=learned)
             return ds
         return f, pullback
 
