@@ -10,10 +10,11 @@ minitransformer: a Transformer encoder in one file, read top-down like a short p
    tested equal to the core: the same maths with everything real use asks for (masks, windows, packed
    documents, ALiBi, a user's FlexAttention mods, dropout, 16-bit dtypes, torch.compile). naive: the
    textbook formula with the conventions of PyTorch's F.scaled_dot_product_attention; chunked: the
-   blockwise algorithm with FlashAttention-2's precision recipe (16-bit inputs multiplied as they are, the
-   products summed and the softmax's statistics kept in float32), one custom operator for torch.compile;
-   flash: PyTorch's fused kernels, warning (or raising) before SDPA would fall back to its math kernel.
-   Every variant is a small rule that all three read (Visibility). The input checks come last.
+   blockwise algorithm with FlashAttention-2's precision recipe (every product takes 16-bit operands, Q, K,
+   V and P, or dS in the backward, rounded to 16 bits, and sums in float32; the running max m and sum l stay
+   in float32), one custom operator for torch.compile; flash: PyTorch's fused kernels, warning (or raising)
+   before SDPA would fall back to its math kernel. Every variant is a small rule that all three read
+   (Visibility). The input checks come last.
 ring_attention.py continues the chunked path across devices; approximate_attention.py holds the
 tutorials' approximate ways out; study.py measures what each path costs, and cost_model.py predicts it.
 
@@ -66,12 +67,12 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 from torch.nn.attention.flex_attention import AuxOutput, BlockMask
 
 # core begins
-# Attention in its plainest correct form, forward and backward, with the conventions of torch's SDPA
-# (F.scaled_dot_product_attention): q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq,
-# Dv), or any leading dimensions, as many in q, k and v (D: the tutorials' d_k). H_kv = H as in the paper, or
-# fewer, shared (grouped-query attention): query head h reads K/V head h // (H / H_kv). A bool attn_mask, True
-# where a query may attend, broadcast to (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk)); is_causal: query i sees
-# keys j <= i, i and j from 0 even if Lq != Lk (a KV cache: j <= i + Lk - Lq). No key seen: 0. float32/64.
+# Attention in its plainest correct form, forward and backward, as torch's F.scaled_dot_product_attention
+# (SDPA): q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv), or any leading
+# dimensions, alike in q, k, v (D: the tutorials' d_k). H_kv = H as in the paper, or fewer, shared (GQA:
+# query head h reads K/V head h // (H // H_kv)). A bool attn_mask, True where a query may attend, broadcast to
+# (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk)); is_causal: query i sees keys j <= i, i and j from 0 even if
+# Lq != Lk (a KV cache needs j <= i + Lk - Lq: the appendix). No key seen: 0. float32/64.
 
 
 def standard_attention(q, k, v, attn_mask=None, is_causal=False):
@@ -251,8 +252,8 @@ class MultiHeadAttention(nn.Module):
     2 * n_kv_heads * hs (hs = C / n_heads, the tutorials' d_k), its weight laid out as
     nn.MultiheadAttention's in_proj_weight: q's rows, k's, then v's. n_kv_heads below n_heads: grouped-query
     attention (1: multi-query), a KV cache n_heads / n_kv_heads times smaller, query head h reading K/V head
-    h // (n_heads / n_kv_heads): consecutive query heads share one, as Llama's repeat_kv (x-transformers
-    cycles instead, h % n_kv_heads: weights move between the two only with their heads reordered).
+    h // (n_heads // n_kv_heads): consecutive query heads share one, as Llama's repeat_kv (x-transformers
+    cycles instead, h % n_kv_heads: its weights load here only with their query heads reordered).
     impl: one of IMPLS, or an attention function (see attention()). rope: an optional RotaryEmbedding for q
     and k of every head; alibi: ALiBi's bias in every head (alibi_slopes, float32 whatever the module's);
     score_mod: FlexAttention's (flex_attention), a function, a module or a module's method: that module's
@@ -343,8 +344,9 @@ class KVCache:
     step has one shape, one graph and no host read: k, v (B, n_kv_heads, max_len, hs); `length`, the slots
     written in every row; `pos` (B, max_len), the position of each slot's token, counted over its row's real
     tokens (Hugging Face's cumsum(mask) - 1); a slot that holds no token (padding, a dropped token, a slot not
-    yet written) has position max_len, after every query, so causality hides it; `tokens` (B, 1), each row's
-    real tokens so far.
+    yet written) has position max_len, larger than any query's, so causality hides it (a row padded on the
+    left, real [False, False, True, True]: pos [max_len, max_len, 0, 1]); `tokens` (B, 1), each row's real
+    tokens so far.
     attn_mask: a call's key padding, (B, 1, 1, T) bool, which the cache keeps, or a mask over the max_len
     slots for that call (T = max_len: key padding). A call that raises leaves the cache as it was (its
     length, its positions, and so what any query sees: the keys and values of slots past its length are
@@ -1447,8 +1449,8 @@ class Visibility:
         return out.detach(), pullback
 
     def _bias_pullback(self, rows, cols):
-        """For score + f: f on the block, and the pullback through which ds passes unchanged, the stand-ins that
-        require grad getting f's share of it."""
+        """For score + f: f on the block, and the pullback through which ds passes unchanged, the stand-ins
+        that require grad getting f's share of it."""
         mod = self.score_mod
         with torch.enable_grad():
             f = mod.bias(None, *mod.indices(rows, cols), *self.score_inputs)

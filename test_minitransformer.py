@@ -2222,14 +2222,16 @@ MODULE_TABLE = torch.randn(2 * 90 - 1, dtype=torch.float64, requires_grad=True) 
 
 def captured_cases(L, H):
     """(score_mod, the learned tensors it reads, the same written densely): a closure's tensor, a module-level one,
-    one computed from a parameter before the call, a module's parameter through a bound method, learned slopes,
-    a parameter through a composite function inside the mod."""
+    one computed from a parameter before the call, a module's parameter through a bound method, a table per batch
+    row and head (a bias of the block's shape, whose gradient is the block's own), learned slopes, a parameter
+    through a composite function inside the mod."""
     i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
     closure = torch.randn(2 * L - 1, dtype=torch.float64, requires_grad=True)
     param = torch.nn.Parameter(torch.randn(2 * L - 1, dtype=torch.float64))
     computed = param * 2 + 1
     module = LearnedBias(H, L)
     slopes = torch.rand(H, dtype=torch.float64, requires_grad=True)
+    per_row = torch.randn(2, H, 2 * L - 1, dtype=torch.float64, requires_grad=True)  # a bias of the block's shape
     return {
         "closure": (lambda s, b, h, q, kv: s + closure[q - kv + L - 1], [closure],
                     lambda s: s + closure[i - j + L - 1]),
@@ -2238,6 +2240,8 @@ def captured_cases(L, H):
         "computed from a parameter": (lambda s, b, h, q, kv: s + computed[q - kv + L - 1], [param],
                                       lambda s: s + computed[i - j + L - 1]),
         "a module's parameter": (module.mod, [module.table], lambda s: s + module.table[:, i - j + L - 1]),
+        "a table per batch row and head": (lambda s, b, h, q, kv: s + per_row[b, h, q - kv + L - 1], [per_row],
+                                           lambda s: s + per_row[:, :, i - j + L - 1]),
         "learned ALiBi slopes": (lambda s, b, h, q, kv: s - slopes[h] * (q - kv).abs(), [slopes],
                                  lambda s: s - slopes[:, None, None] * (i - j).abs()),
         "a parameter through a composite function": (  # F.normalize: one call seen, several uses inside
