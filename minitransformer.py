@@ -9,12 +9,11 @@ minitransformer: a Transformer encoder in one file, read top-down like a short p
 3. The appendix: the hardened paths that the model's attention runs through (attention(), impl=), each
    tested equal to the core: the same maths with everything real use asks for (masks, windows, packed
    documents, ALiBi, a user's FlexAttention mods, dropout, 16-bit dtypes, torch.compile). naive: the
-   textbook formula with the conventions of PyTorch's F.scaled_dot_product_attention; chunked: the
-   blockwise algorithm with FlashAttention-2's precision recipe (every product takes 16-bit operands, Q, K,
-   V and P, or dS in the backward, rounded to 16 bits, and sums in float32; the running max m and sum l stay
-   in float32), one custom operator for torch.compile; flash: PyTorch's fused kernels, warning (or raising)
-   before SDPA would fall back to its math kernel. Every variant is a small rule that all three read
-   (Visibility). The input checks come last.
+   textbook formula with the conventions of PyTorch's F.scaled_dot_product_attention; chunked: the blockwise
+   algorithm with FlashAttention-2's precision recipe (the products' operands Q, K, V, P and dS in 16 bits,
+   their sums and the running max m and sum l in float32), one custom operator for torch.compile; flash:
+   PyTorch's fused kernels, warning (or raising) before SDPA would fall back to its math kernel. Every
+   variant is a small rule that all three read (Visibility). The input checks come last.
 ring_attention.py continues the chunked path across devices; approximate_attention.py holds the
 tutorials' approximate ways out; study.py measures what each path costs, and cost_model.py predicts it.
 
@@ -116,9 +115,9 @@ class BlockwiseAttention(torch.autograd.Function):
         out = q.new_empty(*q.shape[:-1], v.size(-1))  # (B, H, Lq, Dv)
         lse = q.new_empty(*q.shape[:-1], 1)  # (B, H, Lq, 1)
         for rows in _blocks(Lq, block_size):
-            m = q.new_full((*q.shape[:-2], rows.stop - rows.start, 1), float("-inf"))
+            m = q.new_full((*q.shape[:-2], rows.stop - rows.start, 1), float("-inf"))  # (B, H, rows, 1)
             l = torch.zeros_like(m)
-            o = q.new_zeros(*q.shape[:-2], rows.stop - rows.start, v.size(-1))
+            o = q.new_zeros(*q.shape[:-2], rows.stop - rows.start, v.size(-1))  # (B, H, rows, Dv)
             for cols in _blocks(min(Lk, rows.stop) if is_causal else Lk, block_size):  # causal: j < rows.stop
                 s = _block_scores(q, k, attn_mask, is_causal, rows, cols)  # (B, H, rows, cols)
                 m_new = torch.maximum(m, s.amax(-1, keepdim=True))
@@ -215,14 +214,14 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     O(L) memory; "flash", PyTorch's fused kernels), or a function with their arguments
     (ring_attention.ring_impl, approximate_attention's modules).
 
-    q (B, H, Lq, D), k and v (B, H_kv, Lk, D or Dv) -> (B, H, Lq, Dv). attn_mask: bool, True where a query may
-    attend, or float, added to the scores, broadcast to (B, H, Lq, Lk); is_causal: query i sees keys j <= i.
-    scale: default 1 / sqrt(D); dropout_p: on the weights, in training. window_size=w: query i sees keys with
-    |i - j| <= w; cu_seqlens: offsets [0, l1, l1 + l2, ..., L] of packed documents, a query seeing its own
-    document's keys only; alibi_slopes (H,): ALiBi's bias -slope_h * |i - j|; enable_gqa: k, v with H_kv
-    heads; chunk_size: the chunked path's blocks. The conventions every path keeps: the appendix's header.
-    FlexAttention's mods, a score_mod and a BlockMask as attn_mask, run on the chunked path whatever impl says
-    (flex_attention)."""
+    q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv). attn_mask: bool, True where a
+    query may attend, or float, added to the scores, broadcast to (B, H, Lq, Lk); is_causal: query i sees keys
+    j <= i. scale: default 1 / sqrt(D); dropout_p: on the weights, in training. window_size=w: query i sees
+    keys with |i - j| <= w; cu_seqlens: offsets [0, l1, l1 + l2, ..., L] of packed documents, a query seeing
+    its own document's keys only; alibi_slopes (H,): ALiBi's bias -slope_h * |i - j|; enable_gqa: k, v with
+    H_kv heads; chunk_size: the chunked path's blocks. The conventions every path keeps: the appendix's
+    header. FlexAttention's mods (score_mod(score, b, h, q_idx, kv_idx) -> the new score; a BlockMask as
+    attn_mask) run on the chunked path whatever impl says (flex_attention)."""
     kw = dict(window_size=window_size, cu_seqlens=cu_seqlens)
     kw |= {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}  # a function without it still runs
     kw |= {"enable_gqa": True} if enable_gqa else {}
@@ -233,7 +232,7 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     if callable(impl):
         return impl(q, k, v, attn_mask, dropout_p, is_causal, scale, **kw)
     if impl == "naive":
-        return naive_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, **kw)[0]
+        return naive_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, **kw)[0]  # (out, weights)
     if impl == "chunked":
         return chunked_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, chunk_size=chunk_size, **kw)
     if impl == "flash":
@@ -300,7 +299,7 @@ class MultiHeadAttention(nn.Module):
         if cache is not None and positions is None:
             positions = cache.positions(T, attn_mask)  # (B, T): each row's own
         elif positions is None and cu_seqlens is not None:
-            _, positions = documents(cu_seqlens, T, x.device)  # restarting in every document
+            _, positions = documents(cu_seqlens, T, x.device)  # (ids, positions), restarting in each document
         if self.rope is not None:  # in one call, (B, nh + nkv, T, hs): a token's q and k share its position
             q, k = self.rope(torch.cat([q, k], dim=1), positions).split([nh, nkv], dim=1)
         kw = dict(window_size=self.window_size, cu_seqlens=cu_seqlens, enable_gqa=nkv != nh,
@@ -526,7 +525,7 @@ def alibi_slopes(n_heads, device=None):
     a penalty on distance instead of positions added to x: no table to run past, so it applies at any
     length, each head favouring keys within about 1/m_h of the query. For n heads a power of 2,
     m_h = 2^(-8h/n), h = 1 .. n; otherwise those of p, the largest power of 2 below n, then
-    2^(-8(2h' - 1)/2p), h' = 1 .. n - p: every other one of 2p heads."""
+    2^(-8(2h' - 1)/(2p)), h' = 1 .. n - p: every other one of 2p heads."""
     if not (type(n_heads) is int and n_heads >= 1):
         raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
     p, h = 2 ** (n_heads.bit_length() - 1), torch.arange(1, n_heads + 1, device=device, dtype=torch.float32)
