@@ -1355,11 +1355,11 @@ class Visibility:
         the identity)."""
         mod, pullback = self.score_mod, None
         if mod is not None and mod.bias is not None:  # score + f: f added in place, in base 2
-            if backward and mod.learned(self.score_inputs):  # f made once, under autograd
-                f, pullback = self._bias_pullback(rows, cols)
-            else:
+            learned = backward and bool(mod.learned(self.score_inputs))
+            with torch.set_grad_enabled(learned):  # a learned f's graph: the pullback follows it
                 f = mod.bias(None, *mod.indices(rows, cols), *self.score_inputs)
             s = s.add_(f.detach(), alpha=mod.sign * LOG2E)
+            pullback = self._bias_pullback(f) if learned else None
         elif mod is not None:  # in nats, then base 2 in a new tensor: the mod's result may be a view
             s, pullback = self._pullback(s, rows, cols) if backward else (
                 mod(s, rows, cols, self.score_inputs), None)
@@ -1447,19 +1447,17 @@ class Visibility:
             return torch.zeros_like(s) if s.grad is None else s.grad
         return out.detach(), pullback
 
-    def _bias_pullback(self, rows, cols):
-        """For score + f: f on the block, and the pullback through which ds passes unchanged, the stand-ins
-        that require grad getting f's share of it."""
+    def _bias_pullback(self, f):
+        """For score + f, f made on a block under autograd: ds passes through unchanged; the stand-ins that
+        require grad get f's share of it."""
         mod = self.score_mod
-        with torch.enable_grad():
-            f = mod.bias(None, *mod.indices(rows, cols), *self.score_inputs)
 
         def pullback(ds):
             learned = mod.learned(self.score_inputs)
             df = ds.sum_to_size(f.shape)  # ds itself where f has the block's shape: never written to
             torch.autograd.backward(f, df if mod.sign > 0 else -df, inputs=learned)
             return ds
-        return f, pullback
+        return pullback
 
 
 def _apply_mask(scores, mask):
