@@ -71,7 +71,7 @@ from torch.nn.attention.flex_attention import AuxOutput, BlockMask
 # dimensions, alike in q, k, v (D: the tutorials' d_k). H_kv = H as in the paper, or fewer, shared (GQA:
 # query head h reads K/V head h // (H // H_kv)). A bool attn_mask, True where a query may attend, broadcast to
 # (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk)); is_causal: query i sees keys j <= i, i and j from 0 even if
-# Lq != Lk (a KV cache needs j <= i + Lk - Lq: the appendix). No key seen: 0. float32/64.
+# Lq != Lk (queries after Lk - Lq cached keys, a KV cache, need j <= i + Lk - Lq). No key seen: 0. float32/64.
 
 
 def standard_attention(q, k, v, attn_mask=None, is_causal=False):
@@ -219,9 +219,10 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     j <= i. scale: default 1 / sqrt(D); dropout_p: on the weights, in training. window_size=w: query i sees
     keys with |i - j| <= w; cu_seqlens: offsets [0, l1, l1 + l2, ..., L] of packed documents, a query seeing
     its own document's keys only; alibi_slopes (H,): ALiBi's bias -slope_h * |i - j|; enable_gqa: k, v with
-    H_kv heads; chunk_size: the chunked path's blocks. The conventions every path keeps: the appendix's
-    header. FlexAttention's mods (score_mod(score, b, h, q_idx, kv_idx) -> the new score; a BlockMask as
-    attn_mask) run on the chunked path whatever impl says (flex_attention)."""
+    H_kv heads; chunk_size: the chunked path's blocks. The conventions every path keeps (float masks,
+    alignments, dtypes, compile): the comment that opens the appendix. FlexAttention's mods (score_mod(score,
+    b, h, q_idx, kv_idx) -> the new score; a BlockMask as attn_mask) run on the chunked path whatever impl
+    says (flex_attention)."""
     kw = dict(window_size=window_size, cu_seqlens=cu_seqlens)
     kw |= {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}  # a function without it still runs
     kw |= {"enable_gqa": True} if enable_gqa else {}
@@ -298,7 +299,7 @@ class MultiHeadAttention(nn.Module):
         v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         if cache is not None and positions is None:
             positions = cache.positions(T, attn_mask)  # (B, T): each row's own
-        elif positions is None and cu_seqlens is not None:
+        elif positions is None and cu_seqlens is not None and self.rope is not None:  # RoPE's, per document
             _, positions = documents(cu_seqlens, T, x.device)  # (ids, positions), restarting in each document
         if self.rope is not None:  # in one call, (B, nh + nkv, T, hs): a token's q and k share its position
             q, k = self.rope(torch.cat([q, k], dim=1), positions).split([nh, nkv], dim=1)
@@ -339,13 +340,16 @@ class MultiHeadAttention(nn.Module):
 
 
 class KVCache:
-    """A causal decoder's keys and values so far, for one MultiHeadAttention, made once so that a compiled
-    step has one shape, one graph and no host read: k, v (B, n_kv_heads, max_len, hs); `length`, the slots
-    written in every row; `pos` (B, max_len), the position of each slot's token, counted over its row's real
-    tokens (Hugging Face's cumsum(mask) - 1); a slot that holds no token (padding, a dropped token, a slot not
-    yet written) has position max_len, larger than any query's, so causality hides it (a row padded on the
-    left, real [False, False, True, True]: pos [max_len, max_len, 0, 1]); `tokens` (B, 1), each row's real
-    tokens so far.
+    """A KV cache: a causal decoder's keys and values of the tokens so far, for one MultiHeadAttention, so
+    that each new token computes only its own q, k, v. Made once, whole, so that a compiled step has one
+    shape, one graph and no host read:
+        k, v    (B, n_kv_heads, max_len, hs): a slot per token;
+        length  (): the slots written in every row;
+        pos     (B, max_len): the position of each slot's token, counted over its row's real tokens (Hugging
+                Face's cumsum(mask) - 1); a slot that holds no token (padding, a dropped token, a slot not yet
+                written) has position max_len, after any query's, so causality hides it (a row padded on the
+                left, real [False, False, True, True]: pos [max_len, max_len, 0, 1]);
+        tokens  (B, 1): each row's real tokens so far.
     attn_mask: a call's key padding, (B, 1, 1, T) bool, which the cache keeps, or a mask over the max_len
     slots for that call (T = max_len: key padding). A call that raises leaves the cache as it was (its
     length, its positions, and so what any query sees: the keys and values of slots past its length are
@@ -416,7 +420,7 @@ class KVCache:
         self.tokens.add_(T if real is None else real.sum(-1, keepdim=True))
         rules = named_rules(is_causal=True, window_size=window_size, alibi_slopes=alibi_slopes)
         at = positions.view(-1, 1, T, 1), self.pos.view(-1, 1, 1, L)  # (B, 1, T, 1), (B, 1, 1, L)
-        mask = Visibility(rules, positions=at, attn_mask=over_slots).dense(T, L, k.device)
+        mask = Visibility(rules, positions=at, attn_mask=over_slots).dense(T, L, k.device)  # to (B, H, T, L)
         return self.k, self.v, mask
 
     def _read(self, attn_mask, T):
@@ -639,10 +643,11 @@ class EncoderConfig:
 class Encoder(nn.Module):
     """Token ids (B, T) -> hidden states (B, T, d_model).
 
-    h = PosEnc(Embed(idx) * sqrt(d_model)), then n_layers EncoderLayers, then a final LayerNorm for pre-LN
-    (post-LN layers already end in one). score_mod: FlexAttention's, one for all layers (MultiHeadAttention).
-    Called with is_causal=True it is a decoder-only model (GPT's, Llama's: no cross-attention), which KVCaches
-    serve token by token.
+    h = PosEnc(Embed(idx) * sqrt(d_model)) (PosEnc adds sinusoidal or learned positions; with RoPE or ALiBi,
+    which act inside attention, it is dropout alone), then n_layers EncoderLayers, then a final LayerNorm
+    for pre-LN (post-LN layers already end in one). score_mod: FlexAttention's, one for all layers
+    (MultiHeadAttention). Called with is_causal=True it is a decoder-only model (GPT's, Llama's: no
+    cross-attention), which KVCaches serve token by token.
     """
 
     def __init__(self, config, score_mod=None):
