@@ -322,7 +322,7 @@ class MultiHeadAttention(nn.Module):
     @classmethod
     def from_torch(cls, m, impl="flash"):
         """An equivalent module (same outputs) from an nn.MultiheadAttention with q, k, v of one size."""
-        if not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn:
+        if m.kdim != m.embed_dim or m.vdim != m.embed_dim or m.bias_k is not None or m.add_zero_attn:
             raise ValueError("from_torch supports nn.MultiheadAttention without kdim/vdim, add_bias_kv and "
                              "add_zero_attn")
         _check_batch_first(m, "nn.MultiheadAttention", cls.__name__)
@@ -590,16 +590,18 @@ class EncoderLayer(nn.Module):
 
     @classmethod
     def from_torch(cls, layer, impl="flash"):
-        """An equivalent layer (same outputs) from an nn.TransformerEncoderLayer with relu or gelu."""
-        act = getattr(layer, "activation_relu_or_gelu", 0)
-        if act not in (1, 2):
-            raise ValueError("from_torch supports nn.TransformerEncoderLayer with 'relu' or 'gelu'")
+        """An equivalent layer (same outputs) from an nn.TransformerEncoderLayer with relu or exact gelu."""
+        act = layer.activation  # the function or module it was given ("relu", "gelu": F.relu, F.gelu)
+        relu = act is F.relu or type(act) is nn.ReLU
+        if not (relu or act is F.gelu or (type(act) is nn.GELU and act.approximate == "none")):
+            raise ValueError(f"from_torch supports nn.TransformerEncoderLayer with relu or exact gelu, got "
+                             f"{act}")
         _check_batch_first(layer.self_attn, "nn.TransformerEncoderLayer", cls.__name__)
         sa = layer.self_attn
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             new = cls(sa.embed_dim, sa.num_heads, layer.linear1.out_features, layer.dropout.p,
-                      layer.norm_first, "relu" if act == 1 else "gelu", impl, layer.norm1.eps,
+                      layer.norm_first, "relu" if relu else "gelu", impl, layer.norm1.eps,
                       bias=layer.linear1.bias is not None)
         new = new.to(layer.linear1.weight.device, layer.linear1.weight.dtype)
         new.self_attn = MultiHeadAttention.from_torch(sa, impl)
@@ -2687,7 +2689,8 @@ def _host_value(t):
 
 def _check_range(t, lo, hi, name):
     """Raise unless lo <= t < hi everywhere, without a host-device sync: on a CPU the values are read
-    (_host_value) and named; elsewhere, and under torch.compile, a device-side assert."""
+    (_host_value) and named; elsewhere, and under torch.compile, a device-side assert (torch._assert_async,
+    here and in the checks above: torch has no public one)."""
     if t.numel() == 0:
         return
     if t.device.type == "cpu" and not torch.compiler.is_compiling():

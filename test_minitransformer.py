@@ -3255,6 +3255,30 @@ def test_encoder_layer_matches_torch(norm_first, activation, impl):
     torch.testing.assert_close(y, y_ref, atol=1e-10, rtol=1e-10)
 
 
+def test_mha_from_torch_refuses_what_it_cannot_convert():
+    # separate k and v widths, bias_k and a zero key have no counterpart: refused, never converted in part
+    for kw in (dict(kdim=16), dict(vdim=16), dict(add_bias_kv=True), dict(add_zero_attn=True)):
+        with pytest.raises(ValueError, match="from_torch supports nn.MultiheadAttention without"):
+            mt.MultiHeadAttention.from_torch(nn.MultiheadAttention(32, 2, batch_first=True, **kw))
+
+
+def test_encoder_layer_from_torch_reads_its_activation():
+    # the activation given as a module converts too; GELU(approximate="tanh"), which torch's fast-path flag counts
+    # as gelu, is refused: converted to exact gelu it differed by 1.7e-4 in float64
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        for act in (nn.ReLU(), nn.GELU()):
+            ref = randomized(nn.TransformerEncoderLayer(32, 2, 48, 0.0, act, batch_first=True).double()).eval()
+            torch.testing.assert_close(mt.EncoderLayer.from_torch(ref, "naive").eval()(x), ref(x), atol=1e-10,
+                                       rtol=1e-10)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    for act in (nn.GELU(approximate="tanh"), F.silu):
+        with pytest.raises(ValueError, match="relu or exact gelu, got"):
+            mt.EncoderLayer.from_torch(nn.TransformerEncoderLayer(32, 2, 48, 0.0, act, batch_first=True))
+
+
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_encoder_matches_torch_transformer_encoder(norm_first):
     # the whole Encoder against nn.TransformerEncoder built from the same layers, with the embedding times
