@@ -9,11 +9,12 @@ minitransformer: a Transformer encoder in one file, read top-down like a short p
 3. The appendix: the hardened paths that the model's attention runs through (attention(), impl=), each
    tested equal to the core: the same maths with everything real use asks for (masks, windows, packed
    documents, ALiBi, a user's FlexAttention mods, dropout, 16-bit dtypes, torch.compile). naive: the
-   textbook formula with the conventions of PyTorch's F.scaled_dot_product_attention; chunked: the blockwise
-   algorithm with FlashAttention-2's precision recipe (the products' operands Q, K, V, P and dS in 16 bits,
-   their sums and the running max m and sum l in float32), one custom operator for torch.compile; flash:
-   PyTorch's fused kernels, warning (or raising) before SDPA would fall back to its math kernel. Every
-   variant is a small rule that all three read (Visibility). The input checks come last.
+   textbook formula with the conventions of PyTorch's F.scaled_dot_product_attention (SDPA); chunked: the
+   blockwise algorithm with FlashAttention-2's precision recipe (the products' operands Q, K, V, P and dS in
+   16 bits, their sums and the running max m and sum l in float32), one custom operator for torch.compile;
+   flash: PyTorch's fused kernels, warning (or raising) before SDPA would fall back to its math kernel. Every
+   variant (causality, a window, documents, ALiBi, your mods) is a small rule over the positions of queries
+   and keys that all three read (Visibility). The input checks come last.
 ring_attention.py continues the chunked path across devices; approximate_attention.py holds the
 tutorials' approximate ways out; study.py measures what each path costs, and cost_model.py predicts it.
 
@@ -67,11 +68,11 @@ from torch.nn.attention.flex_attention import AuxOutput, BlockMask
 
 # core begins
 # Attention in its plainest correct form, forward and backward, as torch's F.scaled_dot_product_attention
-# (SDPA): q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv), or any leading
-# dimensions, alike in q, k, v (D: the tutorials' d_k). H_kv = H as in the paper, or fewer, shared (GQA:
-# query head h reads K/V head h // (H // H_kv)). A bool attn_mask, True where a query may attend, broadcast to
+# (SDPA), in float32/64: q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv), or any
+# leading dimensions, alike in q, k, v (D: d_k). H_kv = H as in the paper, or fewer, shared (GQA: query head h
+# reads K/V head h // (H // H_kv)). A bool attn_mask, True where a query may attend, broadcasts to
 # (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk)); is_causal: query i sees keys j <= i, i and j from 0 even if
-# Lq != Lk (queries after Lk - Lq cached keys, a KV cache, need j <= i + Lk - Lq). No key seen: 0. float32/64.
+# Lq != Lk (queries after Lk - Lq cached keys, a KV cache, need attn_mask: j <= i + Lk - Lq). No key seen: 0.
 
 
 def standard_attention(q, k, v, attn_mask=None, is_causal=False):
@@ -220,9 +221,10 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     keys with |i - j| <= w; cu_seqlens: offsets [0, l1, l1 + l2, ..., L] of packed documents, a query seeing
     its own document's keys only; alibi_slopes (H,): ALiBi's bias -slope_h * |i - j|; enable_gqa: k, v with
     H_kv heads; chunk_size: the chunked path's blocks. The conventions every path keeps (float masks,
-    alignments, dtypes, compile): the comment that opens the appendix. FlexAttention's mods (score_mod(score,
-    b, h, q_idx, kv_idx) -> the new score; a BlockMask as attn_mask) run on the chunked path whatever impl
-    says (flex_attention)."""
+    causality top-left or bottom-right, dtypes, compile): the comment "Appendix: the hardened paths".
+    FlexAttention's mods, a user's own variant (score_mod(score, b, h, q_idx, kv_idx) -> the new score; a
+    BlockMask as attn_mask: the appendix's flex_attention), run on the chunked path whichever of IMPLS impl
+    names; not with a function as impl."""
     kw = dict(window_size=window_size, cu_seqlens=cu_seqlens)
     kw |= {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}  # a function without it still runs
     kw |= {"enable_gqa": True} if enable_gqa else {}
@@ -288,8 +290,9 @@ class MultiHeadAttention(nn.Module):
         attn_mask: bool, True where a query may attend, or float, added to the scores, broadcast to (B, nh, T,
         T): key padding is (B, 1, 1, T); or FlexAttention's BlockMask. is_causal: query i sees keys j <= i.
         positions: the (T,) positions of x's rows, for RoPE (default 0 .. T-1, or each document's of
-        cu_seqlens). cache: a causal decoder's KVCache, which reads attn_mask and places the tokens: at
-        positions (B, T), each row's own, if given (an Encoder gives its layers those of its first cache)."""
+        cu_seqlens). cache: a causal decoder's KVCache: the call's k and v go into its next slots, and the
+        queries attend to every slot written; the tokens sit at positions (B, T), each row's own, if given
+        (an Encoder gives every layer those of its first cache), else where the cache counts them."""
         _check_mha_call(self, x, attn_mask, is_causal, need_weights, positions, cu_seqlens, cache)
         B, T, C = x.size()
         nh, nkv, hs = self.n_heads, self.n_kv_heads, C // self.n_heads
@@ -336,22 +339,23 @@ class MultiHeadAttention(nn.Module):
             if m.in_proj_bias is not None:
                 new.qkv.bias.copy_(m.in_proj_bias)
                 new.proj.bias.copy_(m.out_proj.bias)
-        return new
+        return new.train(m.training)  # the mode too: dropout acts in training only
 
 
 class KVCache:
     """A KV cache: a causal decoder's keys and values of the tokens so far, for one MultiHeadAttention, so
     that each new token computes only its own q, k, v. Made once, whole, so that a compiled step has one
-    shape, one graph and no host read:
+    shape, one graph and no host read (no .item(): a GPU never waits for the host):
         k, v    (B, n_kv_heads, max_len, hs): a slot per token;
-        length  (): the slots written in every row;
+        length  a 0-d long tensor: the slots written in every row;
         pos     (B, max_len): the position of each slot's token, counted over its row's real tokens (Hugging
                 Face's cumsum(mask) - 1); a slot that holds no token (padding, a dropped token, a slot not yet
                 written) has position max_len, after any query's, so causality hides it (a row padded on the
                 left, real [False, False, True, True]: pos [max_len, max_len, 0, 1]);
         tokens  (B, 1): each row's real tokens so far.
-    attn_mask: a call's key padding, (B, 1, 1, T) bool, which the cache keeps, or a mask over the max_len
-    slots for that call (T = max_len: key padding). A call that raises leaves the cache as it was (its
+    attn_mask, of a MultiHeadAttention call that uses the cache: the call's key padding, (B, 1, 1, T) bool,
+    which the cache keeps, or a mask over the max_len slots for that call alone (with T = max_len tokens, a
+    (B, 1, 1, T) bool mask is key padding). A call that raises leaves the cache as it was (its
     length, its positions, and so what any query sees: the keys and values of slots past its length are
     never read) on a CPU in eager mode; compiled or on CUDA, a device-side assert may stand in."""
 
@@ -529,7 +533,7 @@ def alibi_slopes(n_heads, device=None):
     a penalty on distance instead of positions added to x: no table to run past, so it applies at any
     length, each head favouring keys within about 1/m_h of the query. For n heads a power of 2,
     m_h = 2^(-8h/n), h = 1 .. n; otherwise those of p, the largest power of 2 below n, then
-    2^(-8(2h' - 1)/(2p)), h' = 1 .. n - p: every other one of 2p heads."""
+    2^(-8(2h' - 1)/(2p)), h' = 1 .. n - p: the 1st, 3rd, 5th, ... slopes of 2p heads."""
     if not (type(n_heads) is int and n_heads >= 1):
         raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
     p, h = 2 ** (n_heads.bit_length() - 1), torch.arange(1, n_heads + 1, device=device, dtype=torch.float32)
@@ -607,7 +611,7 @@ class EncoderLayer(nn.Module):
         new.self_attn = MultiHeadAttention.from_torch(sa, impl)
         for name in ("linear1", "linear2", "norm1", "norm2"):
             getattr(new, name).load_state_dict(getattr(layer, name).state_dict())
-        return new
+        return new.train(layer.training)
 
 
 # -----------------------------------------------------------------------------
@@ -2525,6 +2529,8 @@ def _check_mha_call(mha, x, attn_mask, is_causal, need_weights, positions, cu_se
     """MultiHeadAttention.forward's arguments, or a clear error, before anything is computed or written."""
     if x.dim() != 3 or x.size(-1) != mha.d_model:
         raise ValueError(f"expected x of shape (B, T, {mha.d_model}), got {tuple(x.shape)}")
+    if cu_seqlens is not None:  # here too: a function as impl may not check it
+        _check_cu_seqlens(cu_seqlens, x.size(1))
     if cache is not None:
         if (not is_causal) or (cu_seqlens is not None) or isinstance(attn_mask, CausalBias) or (
                 len(x) != len(cache.k)):

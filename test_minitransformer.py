@@ -1262,6 +1262,13 @@ def test_bad_cu_seqlens_are_refused_by_name(impl):
         model(torch.randint(0, 16, (1, 80)), cu_seqlens=torch.tensor([0, 10, 80]))  # a document past max_len = 64
 
 
+def test_mha_checks_cu_seqlens_whatever_its_impl():
+    # the module's boundary checks cu_seqlens: a function as impl, which gets them, may not check them
+    mha = mt.MultiHeadAttention(32, 1, impl=lambda q, k, v, *args, **kw: v)
+    with pytest.raises(ValueError, match="end at the sequence length 13"):
+        mha(torch.randn(1, 13, 32), cu_seqlens=torch.tensor([0, 5, 99]))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
 def test_packed_documents_meet_the_precision_rule(dtype, causal):
@@ -3266,17 +3273,37 @@ def test_encoder_layer_from_torch_reads_its_activation():
     # the activation given as a module converts too; GELU(approximate="tanh"), which torch's fast-path flag counts
     # as gelu, is refused: converted to exact gelu it differed by 1.7e-4 in float64
     x = torch.randn(2, 7, 32, dtype=torch.float64)
+    fast = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
         for act in (nn.ReLU(), nn.GELU()):
             ref = randomized(nn.TransformerEncoderLayer(32, 2, 48, 0.0, act, batch_first=True).double()).eval()
-            torch.testing.assert_close(mt.EncoderLayer.from_torch(ref, "naive").eval()(x), ref(x), atol=1e-10,
-                                       rtol=1e-10)
+            torch.testing.assert_close(mt.EncoderLayer.from_torch(ref, "naive")(x), ref(x), atol=1e-10, rtol=1e-10)
     finally:
-        torch.backends.mha.set_fastpath_enabled(True)
+        torch.backends.mha.set_fastpath_enabled(fast)
     for act in (nn.GELU(approximate="tanh"), F.silu):
         with pytest.raises(ValueError, match="relu or exact gelu, got"):
             mt.EncoderLayer.from_torch(nn.TransformerEncoderLayer(32, 2, 48, 0.0, act, batch_first=True))
+
+
+def test_from_torch_keeps_the_mode():
+    # a converted module is in its source's mode: from an eval() source with dropout, the same outputs at once
+    # (it came back in training mode, 0.58 off with dropout 0.1)
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    fast = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        for ours, ref, call in ((mt.MultiHeadAttention, nn.MultiheadAttention(32, 2, 0.5, batch_first=True),
+                                 lambda m: m(x, x, x)[0]),
+                                (mt.EncoderLayer, nn.TransformerEncoderLayer(32, 2, 48, 0.5, batch_first=True),
+                                 lambda m: m(x))):
+            ref = randomized(ref.double())
+            for training in (True, False):
+                converted = ours.from_torch(ref.train(training), "naive")
+                assert {m.training for m in converted.modules()} == {training}
+            torch.testing.assert_close(converted(x), call(ref), atol=1e-10, rtol=1e-10)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast)
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
