@@ -1216,8 +1216,10 @@ def parse_args(argv=None):
 # Appendix: the hardened paths. Each computes what the core computes, with everything real use asks for, and
 # the tests prove it equal to the core. All three take the arguments and conventions of
 # F.scaled_dot_product_attention (SDPA), with the core's shapes, plus:
-# - a float attn_mask is added to the scores, and only -inf masks a key; integer masks are refused, as
-#   SDPA refuses them; is_causal with an attn_mask applies both (SDPA's math kernel refuses the pair);
+# - a float attn_mask is added to the scores, and only -inf masks a key (+inf and NaN are refused; chunked
+#   adds it in base 2, so finite values beyond +-finfo.max / log2(e), 2.4e38 in float32, count as that bound);
+#   integer masks are refused, as SDPA refuses them; is_causal with an attn_mask applies both (SDPA's math
+#   kernel refuses the pair);
 # - window_size=w: query i sees keys with |i - j| <= w (with is_causal: 0 <= i - j <= w);
 # - cu_seqlens, packed documents (self-attention): query i sees only the keys of its own document;
 # - alibi_slopes: ALiBi's bias, -slope * |i - j|; enable_gqa: k, v of H_kv heads, query head h reading h // G;
@@ -2360,14 +2362,14 @@ def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_
     kernel = ask(q, k, v, mask)
     if device_type == "cpu" and not float_mask:  # nothing to shift, round or re-open: a CPU zeroes dead rows
         return _SdpaCall(q, k, v, mask, is_causal, None, kernel)
-    # far rows as SDPA's math computes them, before a 16-bit copy can round them: wherever a fused kernel may
-    # read the mask, or off the CPU its copy in q's dtype (the math kernel computes them right itself)
+    # far rows shifted before any kernel reads them or a 16-bit copy rounds them: a fused kernel's backward
+    # breaks on them, and the math kernel in float32 would round their scores away (_far_rows)
     user_float = attn_mask is not None and attn_mask.is_floating_point()
     # ALiBi's bias alone peaks at 0, on the diagonal; a mask, or queries past the last key (Lq > Lk), leave a
     # row at -slope * distance, which only a 16-bit copy rounds (one key dominates there: never swamped)
     alibi_far = alibi_slopes is not None and device_type != "cpu" and (attn_mask is not None
                                                                        or q.size(-2) > k.size(-2))
-    if (user_float or alibi_far) and (kernel != "math" or device_type != "cpu"):
+    if user_float or alibi_far:
         mask, swamped = _far_rows(mask, device_type == "cpu" and not compiling, may_swamp=user_float)
         if swamped is not None:
             q, k, v = _switch_off_scores(q, k, v, swamped)
@@ -2628,6 +2630,8 @@ def _check_mask(attn_mask, q, target):
     B, H, Lq, Lk = target
     if b not in (1, B) or h not in (1, H) or i not in (1, Lq) or j not in (1, Lk):
         raise ValueError(f"attn_mask of shape {shape} does not broadcast to (B, H, Lq, Lk) = {tuple(target)}")
+    if attn_mask.is_floating_point():  # only -inf hides a key; +inf or NaN would make its row NaN
+        _check_range(attn_mask.detach(), -math.inf, math.inf, "a float attn_mask, added to the scores,")
     if len(shape) < 2:  # (Lk,) or (): one row for every query, as broadcasting reads it
         attn_mask = attn_mask.expand(1, target[-1])
     return attn_mask

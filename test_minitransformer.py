@@ -557,6 +557,21 @@ def test_hugging_face_min_rows_give_sdpas_math_result_forward_and_backward(impl,
         torch.testing.assert_close(got[0][:, :, 3].double(), low[2].double().mean(-2), atol=2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("mask_grad", [False, True])
+def test_flash_shifts_far_rows_whichever_kernel_runs(mask_grad):
+    # a float32 bias 1e8 from 0 in one row: flash shifts that row before SDPA reads it, so it comes out as in
+    # float64, with SDPA's fused kernel and with its math kernel, which a mask that requires grad gets on a CPU
+    # (there it had been left unshifted, its scores rounded away: 0.99 off, as in float32 attention)
+    q, k, v = make_qkv(1, 2, 9, 9, 16, dtype=torch.float32)
+    bias = torch.randn(9, 9, generator=torch.Generator().manual_seed(1))
+    bias[4] += 1e8
+    want = reference(*(t.double() for t in (q, k, v)), bias=bias.double())
+    bias.requires_grad_(mask_grad)
+    assert mt.sdpa_kernel_name(q, k, v, attn_mask=bias) == ("math" if mask_grad else "flash")
+    got = mt.flash_attention(q, k, v, attn_mask=bias, on_math="allow")
+    assert (got.double() - want).abs().max().item() < 1e-5
+
+
 @pytest.mark.parametrize("impl", mt.IMPLS)
 @pytest.mark.parametrize("q_dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_float_masks_of_every_dtype_in_every_path(impl, q_dtype):
@@ -3479,6 +3494,11 @@ def test_bad_inputs_raise_clear_errors():
                 mt.attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=dtype), impl=impl)
         with pytest.raises(ValueError, match="attn_mask is on meta and q on cpu"):  # never a silent copy
             mt.attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool, device="meta"), impl=impl)
+        for bad in (math.inf, math.nan):  # its row would be NaN (chunked gave +inf's key the whole weight)
+            mask = torch.zeros(8, 8)
+            mask[3, 5] = bad
+            with pytest.raises(ValueError, match=r"a float attn_mask, added to the scores, must lie in \[-inf, inf\)"):
+                mt.attention(q, k, v, attn_mask=mask, impl=impl)
     with pytest.raises(ValueError, match="dropout_p must lie in"):
         mt.attention(q, k, v, dropout_p=1.0)
     with pytest.raises(ValueError, match="window_size"):
