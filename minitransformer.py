@@ -834,7 +834,8 @@ class TrainConfig:
     eval_every: int = _arg(100, "steps between held-out evaluations")
     out: str | None = _arg(None, "checkpoint path, written every --save-every steps and at the end")
     save_every: int = _arg(500, "steps between checkpoints (with --out)")
-    resume: str | None = _arg(None, "continue from this checkpoint")
+    resume: str | None = _arg(None, "continue from this checkpoint, its run's options the defaults (but "
+                                    "--stop-after)")
     stop_after: int | None = _arg(None, "stop after this step, as if interrupted (the schedule: --steps)")
     heatmap: str | None = _arg("runs/attention.png",
                                "PNG of one held-out example's attention after training ('' for none)")
@@ -849,10 +850,26 @@ class TrainConfig:
             raise ValueError(f"max_len={self.max_len} must be >= min_len={self.min_len}")
         if self.vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2 (padding and one token), got {self.vocab_size}")
-        if not (self.lr > 0 and 0 <= self.label_smoothing < 1 and self.clip >= 0 and self.warmup >= 0):
-            raise ValueError("need lr > 0, 0 <= label_smoothing < 1, clip >= 0, warmup >= 0; got "
+        if not (self.lr > 0 and 0 <= self.label_smoothing < 1 and self.clip >= 0 and self.warmup >= 0
+                and 0 <= self.min_lr_ratio <= 1 and self.weight_decay >= 0):
+            raise ValueError("need lr > 0, 0 <= label_smoothing < 1, clip >= 0, warmup >= 0, 0 <= "
+                             "min_lr_ratio <= 1, weight_decay >= 0; got "
                              f"lr={self.lr}, label_smoothing={self.label_smoothing}, clip={self.clip}, "
-                             f"warmup={self.warmup}")
+                             f"warmup={self.warmup}, min_lr_ratio={self.min_lr_ratio}, "
+                             f"weight_decay={self.weight_decay}")
+        if self.stop_after is not None and self.stop_after < 1:
+            raise ValueError(f"stop_after must be >= 1, got {self.stop_after}")
+        if self.out and os.path.isdir(self.out):  # found now, not at the first checkpoint
+            raise ValueError(f"--out {self.out} is a folder: give the checkpoint's file path")
+        if self.heatmap and not (-self.n_layers <= self.heatmap_layer < self.n_layers
+                                 and -self.n_heads <= self.heatmap_head < self.n_heads):
+            raise ValueError(f"the heatmap's layer {self.heatmap_layer} and head {self.heatmap_head} must "
+                             f"exist in {self.n_layers} layers of {self.n_heads} heads")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError as e:
+                raise ValueError(f"--device {self.device}: {e}") from None
         for name, f in TrainConfig.__dataclass_fields__.items():
             if "choices" in f.metadata and getattr(self, name) not in f.metadata["choices"]:
                 raise ValueError(f"{name} must be one of {f.metadata['choices']}, "
@@ -936,11 +953,16 @@ def save_checkpoint(path, state):
     folder's entry), so that neither a crash of the process nor a power cut leaves half a checkpoint."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    with open(f"{path}.tmp", "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(f"{path}.tmp", path)
+    try:
+        with open(f"{path}.tmp", "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(f"{path}.tmp", path)
+    except BaseException:  # the last checkpoint stays as it was, and no half-written file beside it
+        with contextlib.suppress(OSError):
+            os.remove(f"{path}.tmp")
+        raise
     if os.name == "posix":  # a folder's entry is flushed through a descriptor of the folder (POSIX only)
         fd = os.open(folder, os.O_RDONLY)
         try:
@@ -1036,14 +1058,18 @@ def train(cfg, log=print):
     """
     device, rank, world = _setup_device(cfg)
     say = log if rank == 0 else (lambda *a, **k: None)
+    failed = True
     try:
-        return _train(cfg, device, rank, world, say)
+        result, failed = _train(cfg, device, rank, world, say), False
+        return result
     finally:
         if world > 1:
             # DDP's reducer sits in reference cycles: collect it while its process group lives, not at
-            # interpreter exit (where gloo's threads then abort the process); no rank leaves early
+            # interpreter exit (where gloo's threads then abort the process); no rank leaves early, but
+            # one that raised leaves at once: the others may wait in a collective it never reaches
             gc.collect()
-            torch.distributed.barrier()
+            if not failed:
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
 
@@ -1067,6 +1093,10 @@ def _train(cfg, device, rank, world, say):
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
     start = state["step"] if state else 0
+    last = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
+    if last <= start:
+        raise ValueError(f"nothing to train: the run is at step {start} and would stop at step {last} "
+                         f"(--steps {cfg.steps}, --stop-after {cfg.stop_after})")
     if state:
         for name, part in dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler).items():
             part.load_state_dict(state[name])
@@ -1088,7 +1118,6 @@ def _train(cfg, device, rank, world, say):
     say(f"training on {device} x {world} process(es), amp={cfg.amp}, impl={mcfg.impl}, pack={cfg.pack}, "
         f"compile={cfg.compile_model}, steps {start}..{cfg.steps}")
 
-    last = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
     t_start = t_log = time.time()
     reached, metrics, loss_value = None, {}, float("nan")
     # running counts stay on the device and are read only on the steps that log, evaluate or save:
@@ -1129,16 +1158,21 @@ def _train(cfg, device, rank, world, say):
         saving = cfg.out and (done % cfg.save_every == 0 or done == last)
         if not (logging or evaluating or saving):
             continue  # no host read on this step
+        advice = "lower --lr" + (", or use --amp off" if cfg.amp != "off" else "")
         if bad_step.item():  # before any checkpoint: never save weights that a non-finite step updated
             raise FloatingPointError(f"loss is {bad[0].item()} (gradient norm {bad[1].item()}) at step "
                                      f"{bad_step.item()}: stopping; no checkpoint is written from this state "
-                                     "(lower --lr, or use --amp bf16/off)")
+                                     f"({advice})")
+        if saving and not all(torch.isfinite(p).all() for p in model.parameters()):  # read at a save only
+            raise FloatingPointError(f"the weights hold inf or NaN at step {done}: stopping; no checkpoint "
+                                     f"is written from this state ({advice})")
         loss_value = loss.item()
         if logging:
             batch_acc = ((logits.argmax(-1) == y) & (y != PAD)).sum().item() / (y != PAD).sum().item()
             now, n_skipped = time.time(), skipped.item()
             say(f"step {done:5d} | loss {loss_value:.4f} | acc {batch_acc:.3f} | "
-                f"lr {scheduler.get_last_lr()[0]:.2e} | grad norm {norm.item():.3f} | "
+                f"lr {cfg.lr * lr_factor(step, cfg.warmup, cfg.steps, cfg.min_lr_ratio):.2e} | "
+                f"grad norm {norm.item():.3f} | "
                 f"{tokens.item() / (now - t_log):,.0f} tok/s"
                 + (f" | skipped {n_skipped}" if n_skipped else ""))
             t_log = now
@@ -1203,8 +1237,8 @@ def parse_args(argv=None):
             saved = load_checkpoint(args.resume)["train_config"]
         except (OSError, ValueError) as e:
             p.error(str(e))
-        known = set(TrainConfig.__dataclass_fields__) - RESUME_FREE
-        p.set_defaults(**{name: value for name, value in saved.items() if name in known})
+        inherited = set(TrainConfig.__dataclass_fields__) - {"resume", "stop_after"}  # output options too
+        p.set_defaults(**{name: value for name, value in saved.items() if name in inherited})
         args = p.parse_args(argv)
     try:
         return TrainConfig(**vars(args))

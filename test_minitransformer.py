@@ -5162,6 +5162,10 @@ def test_resume_refuses_other_options_and_the_cli_takes_the_saved_ones(tmp_path)
         with pytest.raises(ValueError, match=f"checkpoint's run had {next(iter(change))}="):
             mt.train(mt.TrainConfig(**{**cfg, **change}, resume=ckpt), log=quiet)
     # the command line: options not given come from the checkpoint, not from the defaults
+    args = mt.parse_args(["--resume", ckpt])  # where output goes too, but not where the saved run stopped
+    assert (args.out, args.log_every, args.heatmap, args.stop_after) == (ckpt, SMALL["log_every"], None, None)
+    with pytest.raises(ValueError, match=r"nothing to train: the run is at step 5 and would stop at step 5"):
+        mt.train(mt.TrainConfig(**cfg, resume=ckpt, stop_after=5), log=quiet)
     args = mt.parse_args(["--resume", ckpt, "--log-every", "3", "--heatmap", ""])
     assert (args.lr, args.steps, args.d_model, args.log_every) == (1e-3, 12, SMALL["d_model"], 3)
     assert mt.train(args, log=quiet)["step"] == 12
@@ -5215,6 +5219,40 @@ def test_non_finite_loss_stops_with_the_step_and_no_checkpoint(tmp_path, monkeyp
     assert state["step"] == 2 and not (tmp_path / "ck.pt.tmp").exists()
 
 
+def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch):
+    # a step that leaves a weight infinite while its loss and gradient norm were finite (an lr that overflows)
+    step, calls = mt.optimizer_step, []
+
+    def overflowing(loss, model, *args):
+        out = step(loss, model, *args)
+        calls.append(1)
+        if len(calls) == 4:
+            next(model.parameters()).data[0, 0] = math.inf
+        return out
+    monkeypatch.setattr(mt, "optimizer_step", overflowing)
+    ckpt = tmp_path / "ck.pt"
+    with pytest.raises(FloatingPointError, match="the weights hold inf or NaN at step 4"):
+        mt.train(mt.TrainConfig(**{**SMALL, "steps": 10, "out": str(ckpt), "save_every": 2}), log=quiet)
+    assert mt.load_checkpoint(str(ckpt))["step"] == 2 and not (tmp_path / "ck.pt.tmp").exists()
+
+
+def test_a_failed_save_leaves_the_last_checkpoint_and_no_stray_file(tmp_path, monkeypatch):
+    path = tmp_path / "ck.pt"
+    mt.save_checkpoint(str(path), {"step": torch.tensor(2)})
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        mt.save_checkpoint(str(path), {"step": torch.tensor(4)})
+    assert torch.load(path, weights_only=True)["step"] == 2 and not (tmp_path / "ck.pt.tmp").exists()
+
+
+def test_the_logged_learning_rate_is_the_one_its_step_used():
+    lines, cfg = [], mt.TrainConfig(**{**SMALL, "steps": 6, "warmup": 2, "log_every": 1})
+    mt.train(cfg, log=lines.append)
+    logged = [float(line.split("| lr ")[1].split(" ")[0]) for line in lines if "| lr " in line]
+    want = [cfg.lr * mt.lr_factor(s, cfg.warmup, cfg.steps, cfg.min_lr_ratio) for s in range(6)]
+    assert logged == pytest.approx(want, rel=1e-2)  # printed to 3 digits
+
+
 def test_tokens_per_second_leaves_evaluation_out(monkeypatch):
     # a clock on which every evaluation takes 100 s: counted in, the second interval's rate would fall below
     # its tokens / 100 s, at most 10 steps x batch x max_len / 100 s
@@ -5250,11 +5288,25 @@ def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
         mt.train(mt.TrainConfig(**{**SMALL, "device": "cuda"}), log=quiet)
 
 
-@pytest.mark.parametrize("argv", [["--steps", "0"], ["--amp", "fp8"], ["--impl", "fast"], ["--lr", "abc"]])
-def test_cli_rejects_bad_options(argv, capsys):
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--amp", "fp8"], ["--impl", "fast"], ["--lr", "abc"],
+                                  ["--min-lr-ratio", "-1"], ["--min-lr-ratio", "5"], ["--weight-decay", "-1"],
+                                  ["--stop-after", "0"], ["--out", "."], ["--heatmap-layer", "2"],
+                                  ["--heatmap-head", "-3"], ["--device", "gpu"]])
+def test_cli_rejects_bad_options(argv, capsys):  # before any training: a folder as --out, a layer not there
     with pytest.raises(SystemExit) as e:
         mt.parse_args(argv)
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_torchrun_rank_zero_failing_alone_ends_the_run(tmp_path):
+    # rank 0 alone draws the heatmap: its error reached no one while the ranks waited on each other (a hang)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "minitransformer.py",
+           "--steps", "2", "--log-every", "2", "--eval-size", "20", "--device", "cpu",
+           "--heatmap", str(tmp_path / "a_file" / "h.png")]  # its folder cannot be made: a file has that name
+    (tmp_path / "a_file").write_text("")
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert run.returncode != 0 and "[rank0]: FileExistsError" in run.stdout + run.stderr
 
 
 def test_torchrun_two_processes_keep_identical_parameters(tmp_path):
