@@ -835,7 +835,7 @@ class TrainConfig:
     out: str | None = _arg(None, "checkpoint path, written every --save-every steps and at the end")
     save_every: int = _arg(500, "steps between checkpoints (with --out)")
     resume: str | None = _arg(None, "continue from this checkpoint, its run's options the defaults (but "
-                                    "--stop-after)")
+                                    "--stop-after and --device: this machine's)")
     stop_after: int | None = _arg(None, "stop after this step, as if interrupted (the schedule: --steps)")
     heatmap: str | None = _arg("runs/attention.png",
                                "PNG of one held-out example's attention after training ('' for none)")
@@ -1095,8 +1095,9 @@ def _train(cfg, device, rank, world, say):
     start = state["step"] if state else 0
     last = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
     if last <= start:
-        raise ValueError(f"nothing to train: the run is at step {start} and would stop at step {last} "
-                         f"(--steps {cfg.steps}, --stop-after {cfg.stop_after})")
+        raise ValueError(f"nothing to train: the checkpoint's run is finished (step {start} of --steps "
+                         f"{cfg.steps})" if start >= cfg.steps else f"nothing to train: the run is at step "
+                         f"{start} and would stop at step {last} (--stop-after {cfg.stop_after})")
     if state:
         for name, part in dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler).items():
             part.load_state_dict(state[name])
@@ -1116,7 +1117,8 @@ def _train(cfg, device, rank, world, say):
                              torch.Generator(device).manual_seed(2**40 + cfg.seed))  # never drawn by training
     say(f"model: {model.encoder.num_params():,} parameters in the encoder; {mcfg}")
     say(f"training on {device} x {world} process(es), amp={cfg.amp}, impl={mcfg.impl}, pack={cfg.pack}, "
-        f"compile={cfg.compile_model}, steps {start}..{cfg.steps}")
+        f"compile={cfg.compile_model}, steps {start}..{cfg.steps}"
+        + (f", checkpoints to {cfg.out}" if cfg.out else ""))
 
     t_start = t_log = time.time()
     reached, metrics, loss_value = None, {}, float("nan")
@@ -1237,7 +1239,7 @@ def parse_args(argv=None):
             saved = load_checkpoint(args.resume)["train_config"]
         except (OSError, ValueError) as e:
             p.error(str(e))
-        inherited = set(TrainConfig.__dataclass_fields__) - {"resume", "stop_after"}  # output options too
+        inherited = set(TrainConfig.__dataclass_fields__) - {"resume", "stop_after", "device"}  # output too
         p.set_defaults(**{name: value for name, value in saved.items() if name in inherited})
         args = p.parse_args(argv)
     try:
@@ -2444,7 +2446,7 @@ def _far_rows(mask, can_look, may_swamp=True):
     or not may_swamp). can_look: a CPU outside torch.compile, where reading whether any row is far waits for
     no device, and where the mask is copied only if one is. Elsewhere every finite row is shifted, which also
     keeps a row of large, close biases apart in the 16-bit copy a fused CUDA kernel reads."""
-    if torch.finfo(mask.dtype).max < _FAR:  # float16: no value is far
+    if torch.finfo(mask.dtype).max < _FAR or mask.size(-1) == 0:  # float16: no value is far; or no keys
         return mask, None
     row_max = mask.detach().amax(-1, keepdim=True)  # (.., Lq, 1)
     finite = torch.isfinite(row_max)
@@ -2737,12 +2739,13 @@ def _check_range(t, lo, hi, name):
     here and in the checks above: torch has no public one)."""
     if t.numel() == 0:
         return
+    t_min, t_max = torch.aminmax(t)  # two numbers: no temporary of t's size
     if t.device.type == "cpu" and not torch.compiler.is_compiling():
-        t_min, t_max = (_host_value(x) for x in torch.aminmax(t))
+        t_min, t_max = _host_value(t_min), _host_value(t_max)
         if not lo <= t_min <= t_max < hi:  # NaN fails it too
             raise ValueError(f"{name} must lie in [{lo}, {hi}), got min {t_min} max {t_max}")
     else:
-        torch._assert_async(((t >= lo) & (t < hi)).all(), f"{name} must lie in [{lo}, {hi})")
+        torch._assert_async((t_min >= lo) & (t_max < hi), f"{name} must lie in [{lo}, {hi})")
 
 
 def _check_batch_first(attn, torch_name, our_name):

@@ -945,6 +945,15 @@ def test_flash_plans_what_each_cuda_kernel_gets(kernel, dtype):
         assert err <= 2 * std_err + floor, f"{kernel} {name}: error {err:.3g} > 2 x standard attention's {std_err:.3g}"
 
 
+def test_flash_takes_a_float_mask_over_no_keys():
+    # Lk = 0 beside a float mask: zeros, as naive and chunked give (the far-row check reduced over no keys)
+    q, k, v = make_qkv(2, 2, 6, 0, 8)
+    for grad in (False, True):
+        mask = torch.zeros(1, 1, 6, 0, dtype=torch.float64, requires_grad=grad)
+        out = mt.flash_attention(q, k, v, attn_mask=mask, on_math="allow")
+        assert out.shape == (2, 2, 6, 8) and (out == 0).all()
+
+
 def test_flash_asks_about_the_very_inputs_sdpa_gets(monkeypatch):
     # the kernel reported is the kernel that runs: SDPA's kernel query sees the mask object, dtype and flag that
     # SDPA itself then gets, for every kind of mask (on CUDA flash converts and re-opens masks before asking)
@@ -5156,19 +5165,22 @@ def test_resume_is_exact(tmp_path):
 
 def test_resume_refuses_other_options_and_the_cli_takes_the_saved_ones(tmp_path):
     ckpt = str(tmp_path / "ck.pt")
-    cfg = {**SMALL, "steps": 12, "lr": 1e-3}
+    cfg = {**SMALL, "steps": 12, "lr": 1e-3, "device": "cpu"}
     mt.train(mt.TrainConfig(**cfg, out=ckpt, stop_after=5), log=quiet)
     for change in ({"lr": 2e-3}, {"steps": 30}, {"batch_size": 8}):
         with pytest.raises(ValueError, match=f"checkpoint's run had {next(iter(change))}="):
             mt.train(mt.TrainConfig(**{**cfg, **change}, resume=ckpt), log=quiet)
     # the command line: options not given come from the checkpoint, not from the defaults
-    args = mt.parse_args(["--resume", ckpt])  # where output goes too, but not where the saved run stopped
-    assert (args.out, args.log_every, args.heatmap, args.stop_after) == (ckpt, SMALL["log_every"], None, None)
+    args = mt.parse_args(["--resume", ckpt])  # where output goes too; not where it stopped, nor its machine's device
+    assert (args.out, args.log_every, args.heatmap, args.stop_after, args.device) == (
+        ckpt, SMALL["log_every"], None, None, "auto")
     with pytest.raises(ValueError, match=r"nothing to train: the run is at step 5 and would stop at step 5"):
         mt.train(mt.TrainConfig(**cfg, resume=ckpt, stop_after=5), log=quiet)
     args = mt.parse_args(["--resume", ckpt, "--log-every", "3", "--heatmap", ""])
     assert (args.lr, args.steps, args.d_model, args.log_every) == (1e-3, 12, SMALL["d_model"], 3)
     assert mt.train(args, log=quiet)["step"] == 12
+    with pytest.raises(ValueError, match=r"nothing to train: the checkpoint's run is finished \(step 12 of --steps 12\)"):
+        mt.train(mt.parse_args(["--resume", ckpt]), log=quiet)  # --out was inherited: the run saved step 12 there
     with pytest.raises(ValueError, match="run had lr=0.001; this run asks for lr=0.01"):  # given on the command line
         mt.train(mt.parse_args(["--resume", ckpt, "--lr", "0.01"]), log=quiet)
 
