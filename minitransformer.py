@@ -2592,6 +2592,9 @@ def _check_mha_call(mha, x, attn_mask, is_causal, need_weights, positions, cu_se
     if need_weights and callable(mha.impl):
         raise ValueError("need_weights computes the weights by naive attention on this module's own q, k, v: "
                          "not with an attention function as impl (a ring sees a shard only)")
+    if cache is not None and callable(mha.impl):  # approximate_attention's read (B, 1, 1, L) as padding
+        raise ValueError("a KV cache hands attention its causality as a mask over the slots, which the "
+                         "paths of IMPLS read as such: not with an attention function as impl")
     if ((mha.score_mod is not None) or isinstance(attn_mask, BlockMask)) and (need_weights or cache):
         raise ValueError("FlexAttention's mods (score_mod, a BlockMask) run on the chunked path: not with "
                          "need_weights (the naive path) or a KV cache, whose q_idx and kv_idx would be slots")

@@ -674,6 +674,25 @@ def _key(row):
     return tuple(str(row[c]) for c in ("device", "dtype", "series", "mode", "B", "H", "D", "n"))
 
 
+RUN_COLUMNS = ("device", "torch", "dtype", "H", "D", "mem_budget_gib")  # one value in a study.csv
+SERIES_COLUMNS = ("path", "causal", "window", "docs", "alibi", "kv_heads", "world", "setting")  # one per series
+
+
+def resume_conflict(rows, todo):
+    """Why --resume may not add todo's points to the CSV rows (None: it may): a row of another device, torch,
+    dtype, H, D or budget, or of a series this run defines otherwise (its B too, at a point both have),
+    would share curves and tables with this run's."""
+    mine, at = {t["series"]: t for t in todo}, {_key(t): t for t in todo}
+    text = lambda v: "" if v is None else str(v)
+    for r in rows if todo else ():
+        t = at.get(_key(r)) or mine.get(r["series"]) or todo[0]
+        cols = RUN_COLUMNS + SERIES_COLUMNS * (r["series"] in mine) + ("B",) * (_key(r) in at)
+        if diff := [c for c in cols if text(r[c]) != text(t[c])]:
+            return (f"it holds {r['series']} {r['mode']} n={r['n']} with " + ", ".join(f"{c}={r[c]}" for c in diff)
+                    + "; this run has " + ", ".join(f"{c}={text(t[c])}" for c in diff))
+    return None
+
+
 def read_rows(path):
     if not os.path.exists(path):
         return []
@@ -1013,7 +1032,8 @@ def model_report(rows, curves):
     why = "not explained by the model: a defect to fix"
     if rows[0]["device"].startswith("cuda"):
         why = "not explained by the model; on CUDA the caching allocator may also count a block over 1 MiB whole"
-    lines += ["", f"Outside the band: {'; '.join(outside)}; {why}." if outside else "Outside the band: none."]
+    lines += ["", f"Outside the band: {'; '.join(outside)}; {why}." if outside else
+              f"Outside the band: none of the {len(checked)} points of {CHECKED_MIB:g} MiB or more."]
     return lines + said
 
 
@@ -1178,7 +1198,11 @@ def claims(curves, fits):
              f"{one} bytes = {one / MIB:.0f} MiB, 1/1024 of 16 GiB (the claim reads MiB as GB); 16 GiB would be "
              f"{16 * 2**30 // one} such matrices. The naive forward holds two per (batch, head), S and P "
              "(naive_memory).")
-    if r := _at(curves, "naive", "fwd", 2048):
+    r = _at(curves, "naive", "fwd", 2048)
+    if r and (r["dtype"], r["causal"]) != ("float32", "False"):  # S and P of float32 alone, no (n, n) mask
+        kind = r["dtype"] + ", causal" * (r["causal"] == "True")
+        claim += f" Not measured here: this run's naive at n=2048 is {kind}."
+    elif r:
         per = float(r["peak_mib"]) / (int(r["B"]) * int(r["H"]))
         claim += (f" Measured: the naive forward at n=2048 ({r['dtype']}, B={r['B']}, H={r['H']}, D={r['D']}) peaks "
                   f"at {float(r['peak_mib']):.0f} MiB above its inputs, {per:.1f} MiB per (batch, head) with its "
@@ -1282,8 +1306,10 @@ def parse_args(argv=None):
     # (device name, capability, memory) is asked of the worker (describe_device).
     if args.device == "cuda" and not args.predict and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available here")
-    if args.target_seconds <= 0:
+    if not args.target_seconds > 0:  # NaN too
         p.error(f"--target-seconds must be positive, got {args.target_seconds}")
+    if args.tokens and args.batch:
+        p.error("--tokens sets B = tokens // n at each length: not with --batch")
     return args, p
 
 
@@ -1307,9 +1333,15 @@ def configure(args, p):
                 chosen.append(replace(known[base], name=name, chunk_size=_chunk_size(size) if size else None))
             except argparse.ArgumentTypeError as e:
                 p.error(str(e))
+        if len({x.name for x in chosen}) < len(chosen):
+            p.error(f"--series names a series twice: {args.series}")
         series = chosen
     elif not args.list and not args.predict:
         series = [s for s in series if s.default]
+    for ring in (x for x in series if x.world > 1):  # each of P ranks holds n / P tokens: all of them
+        if any(n % ring.world for n in lengths):
+            p.error(f"{ring.name} splits n over {ring.world} ranks: --lengths must be multiples of {ring.world}, "
+                    f"got {','.join(map(str, lengths))}")
     return device, lengths, series
 
 
@@ -1456,6 +1488,10 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
             if next(csv.reader(f), []) != COLUMNS:
                 p.error(f"--resume: {csv_path} has other columns than this version writes; run without "
                         "--resume (the old CSV is then set aside, not overwritten)")
+        mine = points(args, info["label"], dtype, lengths, series, batch, modes, mem_budget_gib=f"{budget_gib:.3f}")
+        if why := resume_conflict(read_rows(csv_path), mine):
+            p.error(f"--resume: {csv_path} is another run's: {why}. Run without --resume (the old CSV is then set "
+                    "aside, not overwritten), or give another --out")
     done = {_key(r) for r in read_rows(csv_path) if r["status"] == "ok"} if args.resume else set()
     with contextlib.closing(CsvLog(csv_path, args.resume)) as log:
         t0 = time.time()
