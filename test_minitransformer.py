@@ -562,7 +562,7 @@ def test_hugging_face_min_rows_give_sdpas_math_result_forward_and_backward(impl,
 def test_flash_shifts_far_rows_whichever_kernel_runs(mask_grad):
     # a float32 bias 1e8 from 0 in one row: flash shifts that row before SDPA reads it, so it comes out as in
     # float64, with SDPA's fused kernel and with its math kernel, which a mask that requires grad gets on a CPU
-    # (there it had been left unshifted, its scores rounded away: 0.99 off, as in float32 attention)
+    # (unshifted, float32 rounds its scores away: 0.99 off)
     q, k, v = make_qkv(1, 2, 9, 9, 16, dtype=torch.float32)
     bias = torch.randn(9, 9, generator=torch.Generator().manual_seed(1))
     bias[4] += 1e8
@@ -1289,7 +1289,7 @@ def test_bad_cu_seqlens_are_refused_by_name(impl):
 
 def test_a_kv_cache_refuses_a_function_as_impl():
     # the cache's causality reaches attention as a (B, 1, T, L) mask, which at T = 1 reads as key padding: an
-    # approximate module took it so and decoded non-causally (0.42 off for memory-compressed attention)
+    # approximate module would decode non-causally (0.42 off for memory-compressed attention)
     mha = mt.MultiHeadAttention(32, 1, impl=approx.CompressedAttention(32, ratio=2)).eval()
     cache = mt.KVCache(1, 1, 8, 32)
     with torch.no_grad(), pytest.raises(ValueError, match="not with an attention function as impl"):
@@ -3299,7 +3299,7 @@ def test_mha_from_torch_refuses_what_it_cannot_convert():
 
 def test_encoder_layer_from_torch_reads_its_activation():
     # the activation given as a module converts too; GELU(approximate="tanh"), which torch's fast-path flag counts
-    # as gelu, is refused: converted to exact gelu it differed by 1.7e-4 in float64
+    # as gelu, is refused: converted to exact gelu it would differ by 1.7e-4 in float64
     x = torch.randn(2, 7, 32, dtype=torch.float64)
     fast = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
@@ -3316,7 +3316,7 @@ def test_encoder_layer_from_torch_reads_its_activation():
 
 def test_from_torch_keeps_the_mode():
     # a converted module is in its source's mode: from an eval() source with dropout, the same outputs at once
-    # (it came back in training mode, 0.58 off with dropout 0.1)
+    # (in training mode they would be 0.58 off with dropout 0.1)
     x = torch.randn(2, 7, 32, dtype=torch.float64)
     fast = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
@@ -3507,7 +3507,7 @@ def test_bad_inputs_raise_clear_errors():
                 mt.attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=dtype), impl=impl)
         with pytest.raises(ValueError, match="attn_mask is on meta and q on cpu"):  # never a silent copy
             mt.attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool, device="meta"), impl=impl)
-        for bad in (math.inf, math.nan):  # its row would be NaN (chunked gave +inf's key the whole weight)
+        for bad in (math.inf, math.nan):  # its row would be NaN: refused, never given the +inf key's value
             mask = torch.zeros(8, 8)
             mask[3, 5] = bad
             with pytest.raises(ValueError, match=r"a float attn_mask, added to the scores, must lie in \[-inf, inf\)"):
@@ -5328,7 +5328,7 @@ def test_cli_rejects_bad_options(argv, capsys):  # before any training: a folder
 
 
 def test_torchrun_rank_zero_failing_alone_ends_the_run(tmp_path):
-    # rank 0 alone draws the heatmap: its error reached no one while the ranks waited on each other (a hang)
+    # rank 0 alone draws the heatmap: when that fails, the run ends with its error, not waiting on rank 1
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "minitransformer.py",
            "--steps", "2", "--log-every", "2", "--eval-size", "20", "--device", "cpu",
            "--heatmap", str(tmp_path / "a_file" / "h.png")]  # its folder cannot be made: a file has that name
