@@ -152,7 +152,7 @@ def naive_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, masked):
 _ARGS_HANDED_OVER = sys.version_info >= (3, 11)
 
 
-def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies, alibi=0, Hkv=None):
+def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies, alibi=0, Hkv=None, ck_next=None):
     """The blocks of one block of query rows at its heaviest moment (attend_block, attend_block_backward).
 
     (cq, ck) blocks of scores in float32: the forward makes S_j and P_j in one buffer, reused for every j; the
@@ -163,7 +163,8 @@ def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies, alibi=0,
     dout, key blocks of k or v) and the products. Each phase: (float32 blocks, 16-bit blocks, bytes of copies
     and products). alibi: ALiBi's bias, added to S_j in place from the distances (cq, ck), made beside it
     after the copies its product took. Hkv: the heads of K and V (grouped-query attention), which key blocks
-    have.
+    have. ck_next: the second key block's width, narrower where the keys end inside it; the float32 backward's
+    blocks of step j are that wide beside the full ones of step j - 1 (16-bit inputs: taken full).
     """
     acc = max(itemsize, 4)
     block, low = B * H * cq * ck * acc, B * H * cq * ck * itemsize * (itemsize < 4)
@@ -177,15 +178,16 @@ def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies, alibi=0,
         p_then = 2 * several  # P_{j-1} (kept by dS's name) and dP_{j-1}, while dP_j is computed
         phases = [(2 + p_then, several, rows * Dv + cols * Dv), (3 + several, 1 + several, rows * Dv),
                   (3 + several, several + kept, rows * Dv + cols * Dv), (3, 1, rows * D + cols * D)]
-    elif several:
-        phases = [(4, 1, 0), (3, 2, cols * Dv)]
+    elif several:  # P_{j-1} and dP_{j-1} beside P_j and dP_j, then P_j^T dO beside P_{j-1}, P_j and dP_j
+        nxt = (ck_next or ck) / ck
+        phases = [(2 + 2 * nxt, 1, 0), (1 + 2 * nxt, 2, cols * Dv * nxt)]
     else:
         phases = [(2, 1, max(cols * Dv, rows * D, cols * D))]  # a product beside P_j and dP_j
     if alibi:  # S_j (beside P_{j-1} and dP_{j-1}, backward)
         bwd = mode != "fwd"
         phases.append((1 + 2 * several * bwd, several * bwd, cq * ck * acc))
     blocks, lows, extra = max(phases, key=lambda ph: ph[0] * block + ph[1] * low + ph[2])
-    terms = {f"{blocks} blocks of scores (B, H, cq, ck) float32": blocks * block,
+    terms = {f"{blocks:.3g} blocks of scores (B, H, cq, ck) float32": blocks * block,
              "products (and float32 copies of 16-bit operands), ALiBi's distances": extra}
     if low:
         terms[f"{lows} blocks in the inputs' dtype"] = lows * low
@@ -209,7 +211,8 @@ def chunked_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, cq, ck, docs=False, copi
         terms["document ids and positions (2, L) int64"] = 2 * Lq * 8
     if Hkv != H and cq < Lq:  # _per_kv_head's copies of a block of rows
         terms["q (and dout) rows of a block, per K/V head"] = B * H * cq * (D + Dv * (mode != "fwd")) * itemsize
-    blocks = _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, Lk > ck, copies, alibi, Hkv)
+    ck_next = min(ck, Lk - ck) if Lk > ck else ck  # the second key block: narrower where the keys end in it
+    blocks = _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, Lk > ck, copies, alibi, Hkv, ck_next)
     if mode == "fwd":
         return {**terms, "m, log2(l) (B, H, Lq)": 2 * stats, "o (B, H, cq, Dv) float32": B * H * cq * Dv * acc,
                 **blocks}

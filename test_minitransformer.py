@@ -4345,6 +4345,7 @@ def test_memory_model_predicts_the_allocators_peak():
              ("naive", "fwd", 2, 3, 512, 48, 24, "bfloat16", {"causal": True}),
              ("chunked", "fwd", 8, 16, 100, 64, 64, "float32", {}),  # one key block: S, then P beside P V
              ("chunked", "fwd+bwd", 1, 8, 2048, 128, 128, "bfloat16", {}),  # the end: dQ, dK, dV in both dtypes
+             ("chunked", "fwd+bwd", 8, 8, 300, 64, 64, "float32", {}),  # a second key block of 44 keys
              ("chunked", "fwd", 2, 16, 256, 64, 64, "bfloat16", {}),
              ("chunked", "fwd+bwd", 2, 16, 256, 64, 64, "bfloat16", {}),
              ("chunked", "fwd+bwd", 2, 3, 1024, 48, 24, "bfloat16", {"chunk_size": (128, 64)}),
