@@ -4610,6 +4610,12 @@ def test_sweep_records_oom_and_goes_on(tmp_path):
     assert "Claims checked" in (tmp_path / "summary.md").read_text() and (tmp_path / "memory.png").exists()
 
 
+def test_a_redrawn_report_says_causal(tmp_path):
+    study.main(ARGS + ["--causal", "--out", str(tmp_path)], runner=fake_runner([]))
+    study.main(["--device", "cpu", "--out", str(tmp_path), "--report"])  # the title from the CSV alone
+    assert ", causal, " in (tmp_path / "summary.md").read_text().splitlines()[2]
+
+
 def test_sweep_records_an_unsupported_kernel_and_goes_on(tmp_path):
     calls = []
     study.main(ARGS + ["--out", str(tmp_path)], runner=fake_runner(calls, unsupported=lambda s: s["series"] == "naive"))
