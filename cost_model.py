@@ -178,9 +178,10 @@ def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies, alibi=0,
         p_then = 2 * several  # P_{j-1} (kept by dS's name) and dP_{j-1}, while dP_j is computed
         phases = [(2 + p_then, several, rows * Dv + cols * Dv), (3 + several, 1 + several, rows * Dv),
                   (3 + several, several + kept, rows * Dv + cols * Dv), (3, 1, rows * D + cols * D)]
-    elif several:  # P_{j-1} and dP_{j-1} beside P_j and dP_j, then P_j^T dO beside P_{j-1}, P_j and dP_j
-        nxt = (ck_next or ck) / ck
-        phases = [(2 + 2 * nxt, 1, 0), (1 + 2 * nxt, 2, cols * Dv * nxt)]
+    elif several:  # P_{j-1} and dP_{j-1} beside P_j and dP_j, then P_j^T dO beside P_{j-1}, P_j and dP_j;
+        nxt = (ck_next or ck) / ck  # and step 0 alone, a product beside P_0 and dP_0
+        phases = [(2 + 2 * nxt, 1, 0), (1 + 2 * nxt, 2, cols * Dv * nxt),
+                  (2, 1, max(cols * Dv, rows * D, cols * D))]
     else:
         phases = [(2, 1, max(cols * Dv, rows * D, cols * D))]  # a product beside P_j and dP_j
     if alibi:  # S_j (beside P_{j-1} and dP_{j-1}, backward)
@@ -298,7 +299,8 @@ def ring_memory(B, H, n, D, Dv, itemsize, mode, P, cq, ck, copies=False):
     cq, ck = min(cq, shard), min(ck, shard)
     kv, dkv = B * H * shard * (D + Dv) * itemsize, B * H * shard * (D + Dv) * acc
     base = {"o or out (B, H, n/P, Dv) float32": B * H * shard * Dv * acc, "m, l (B, H, n/P)": 2 * B * H * shard * acc}
-    blocks = _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, shard > ck, copies)
+    blocks = _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, shard > ck, copies,
+                           ck_next=min(ck, shard - ck) if shard > ck else ck)
     if mode == "fwd":
         passing = {**base, "K, V blocks": min(P - 1, 3) * kv}
         return _heaviest(passing, {**base, "K, V blocks": min(P - 1, 2) * kv, **blocks})

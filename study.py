@@ -1468,7 +1468,7 @@ def _report_only(p, out, command):
         p.error(f"--report: no measurements in {csv_path}")
     r = rows[0]  # the title from what was measured, not from this machine
     title = f"{r['device']}, {r['dtype']}, torch {r['torch']}, B={r['B']}, H={r['H']}, D={r['D']}"
-    title += ", causal" * all(x["causal"] == "True" for x in rows)  # --causal makes every series causal
+    title += ", causal" * all(x["causal"] == "True" for x in rows)  # every series causal, as --causal makes them
     if r.get("mem_budget_gib"):
         title += f", memory budget {float(r['mem_budget_gib']):.4g} GiB"
     note = f"report redrawn from {csv_path}; command: `{command}`"

@@ -3984,11 +3984,12 @@ def ring_options_case(rank, world, layout, causal):
     return [(x - shard(r)).abs().max().item() for x, r in zip(ours, ref)]
 
 
-def ring_memory_case(rank, world, mode, chunk_size):
+def ring_memory_case(rank, world, mode, chunk_size, n=2048):
     """This rank's peak above its inputs, measured by the allocator (study._AllocPeak), over the memory model's
     (cost_model.ring_memory), float32, B=1, H=8, n=2048 over `world` ranks, D=64: with the CPU's blocks of 256 a step's
-    compute weighs most, with blocks of 64 the start of a pass, when the most K/V and dK/dV pairs are in flight."""
-    n, D, train = 2048, 64, mode == "fwd+bwd"
+    compute weighs most, with blocks of 64 the start of a pass, when the most K/V and dK/dV pairs are in flight; n=600,
+    a shard of 300 keys whose second block holds 44."""
+    D, train = 64, mode == "fwd+bwd"
     g = torch.Generator().manual_seed(rank)
     q, k, v, dout = (torch.randn(1, 8, n // world, D, generator=g).requires_grad_(train) for _ in range(4))
     cq, ck = chunk_size
@@ -4096,6 +4097,7 @@ def test_ring_encoder_equals_the_unsharded_encoder_its_memory_is_modelled_and_ba
     cases = [("encoder", layout, pos, True) for layout in ring.RING_LAYOUTS for pos in POS]
     cases += [("encoder", "zigzag", "rope", False)] + [("options", layout, True) for layout in ring.RING_LAYOUTS]
     memory = [("memory", mode, blocks) for mode in study.MODES for blocks in ((256, 256), (64, 64))]
+    memory += [("memory", "fwd+bwd", (256, 256), 600)]
     results = run_ring(2, cases + memory + [("errors",)], tmp_path)
     for case in cases:
         for errors in results[case]:
@@ -4346,6 +4348,7 @@ def test_memory_model_predicts_the_allocators_peak():
              ("chunked", "fwd", 8, 16, 100, 64, 64, "float32", {}),  # one key block: S, then P beside P V
              ("chunked", "fwd+bwd", 1, 8, 2048, 128, 128, "bfloat16", {}),  # the end: dQ, dK, dV in both dtypes
              ("chunked", "fwd+bwd", 8, 8, 300, 64, 64, "float32", {}),  # a second key block of 44 keys
+             ("chunked", "fwd+bwd", 4, 4, 130, 64, 64, "float32", {"chunk_size": (64, 128)}),  # of 2: step 0 weighs
              ("chunked", "fwd", 2, 16, 256, 64, 64, "bfloat16", {}),
              ("chunked", "fwd+bwd", 2, 16, 256, 64, 64, "bfloat16", {}),
              ("chunked", "fwd+bwd", 2, 3, 1024, 48, 24, "bfloat16", {"chunk_size": (128, 64)}),
