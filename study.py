@@ -1497,8 +1497,12 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
     with contextlib.closing(CsvLog(csv_path, args.resume)) as log:
         t0 = time.time()
         N = 2048 if info["device"] == "cpu" else 8192
-        ceiling = runner({"kind": "matmul", "device": info["device"], "dtype": dtype, "N": N,
-                          "seconds": 0.5 if args.quick else 1.0})["tflops"]
+        rate = runner({"kind": "matmul", "device": info["device"], "dtype": dtype, "N": N,
+                       "seconds": 0.5 if args.quick else 1.0})
+        ceiling, emulated = rate["tflops"], None
+        if rate.get("N", N) < N:  # a smaller product, as one of N took long: a dtype the device emulates
+            emulated = (f"The matmul ceiling is a {rate['N']} x {rate['N']} product's: this device emulates {dtype}, "
+                        "so a kernel computing in float32 inside exceeds it (pct_matmul over 100).")
         trained = os.path.join(out, "reversal.pt") if any(s.path in approx.STRATEGIES for s in series) else None
         if trained:  # the approximate series' error on a trained layer: one encoder, trained here on the CPU
             mt.train(mt.TrainConfig(out=trained, heatmap=None, device="cpu"), log=lambda *a: None)
@@ -1506,10 +1510,12 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
                       trained=trained, mem_budget_gib=f"{budget_gib:.3f}", min_repeats=1 if args.quick else 2,
                       target_s=0.2 if args.quick else args.target_seconds)
         print(f"study: {title}; {len(todo)} points -> {csv_path}")
-        print(f"matmul ceiling: {ceiling:.3f} TFLOP/s ({dtype}, measured now)")
+        print(f"matmul ceiling: {ceiling:.3f} TFLOP/s ({dtype}, measured now)" + f"\n{emulated}" * bool(emulated))
         sweep(todo, lambda pt: runner({**pt, "device": info["device"]}), log, done, ceiling,
               info.get("threads"), predict_wall=info["device"] == "cpu" and not LINUX_MEMORY)
     note = f"sweep took {time.time() - t0:.0f} s; command: `{command}`"
+    if emulated:
+        note += f"\n\n{emulated}"
     if info["device"] == "cpu" and not LINUX_MEMORY:
         note += ("\n\nNot measured on this OS: rss_mib (it needs Linux's /proc/self to reset and read a peak RSS). "
                  "The memory wall is predicted (no RLIMIT_AS here): a point is not run when the memory model's "

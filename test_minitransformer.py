@@ -4613,6 +4613,14 @@ def test_sweep_records_oom_and_goes_on(tmp_path):
     assert "Claims checked" in (tmp_path / "summary.md").read_text() and (tmp_path / "memory.png").exists()
 
 
+def test_a_sweep_says_its_matmul_ceiling_is_an_emulated_dtypes(tmp_path):
+    # the ceiling timed on a smaller product, as bfloat16 on a CPU without it: pct_matmul then passes 100
+    fake = fake_runner([])
+    slow = lambda spec: {"tflops": 0.003, "N": 512} if spec.get("kind") == "matmul" else fake(spec)
+    study.main(ARGS + ["--dtype", "bfloat16", "--out", str(tmp_path)], runner=slow)
+    assert "a 512 x 512 product's: this device emulates bfloat16" in (tmp_path / "summary.md").read_text()
+
+
 def test_a_redrawn_report_says_causal(tmp_path):
     study.main(ARGS + ["--causal", "--out", str(tmp_path)], runner=fake_runner([]))
     study.main(["--device", "cpu", "--out", str(tmp_path), "--report"])  # the title from the CSV alone
