@@ -152,20 +152,21 @@ def naive_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, masked):
 _ARGS_HANDED_OVER = sys.version_info >= (3, 11)
 
 
-def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies, alibi=0, Hkv=None, ck_next=None):
+def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, keys, copies, alibi=0, Hkv=None):
     """The blocks of one block of query rows at its heaviest moment (attend_block, attend_block_backward).
 
     (cq, ck) blocks of scores in float32: the forward makes S_j and P_j in one buffer, reused for every j; the
-    backward makes S_j, P_j and dP_j anew, and a block lives until its name is rebound, so with `several` key
+    backward makes S_j, P_j and dP_j anew, and a block lives until its name is rebound, so with several key
     blocks those of step j - 1 are still alive while step j computes its own (dS_j is P_j, updated in place,
     and keeps it). 16-bit inputs add blocks rounded to their dtype (P_j and dS_j, for the products), which a
     CPU multiplies as float32 copies (`copies`: _matmul), beside float32 copies of the operands (rows of q or
     dout, key blocks of k or v) and the products. Each phase: (float32 blocks, 16-bit blocks, bytes of copies
     and products). alibi: ALiBi's bias, added to S_j in place from the distances (cq, ck), made beside it
     after the copies its product took. Hkv: the heads of K and V (grouped-query attention), which key blocks
-    have. ck_next: the second key block's width, narrower where the keys end inside it; the float32 backward's
-    blocks of step j are that wide beside the full ones of step j - 1 (16-bit inputs: taken full).
+    have. keys: how many keys a block of query rows visits; where they end inside the second key block, the
+    float32 backward's blocks of step j are that narrow beside the full ones of step j - 1 (16-bit: taken full).
     """
+    several = keys > ck
     acc = max(itemsize, 4)
     block, low = B * H * cq * ck * acc, B * H * cq * ck * itemsize * (itemsize < 4)
     rows, cols = B * H * cq * acc, B * (Hkv or H) * ck * acc  # bytes of one column of a row block, a key block
@@ -179,7 +180,7 @@ def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, several, copies, alibi=0,
         phases = [(2 + p_then, several, rows * Dv + cols * Dv), (3 + several, 1 + several, rows * Dv),
                   (3 + several, several + kept, rows * Dv + cols * Dv), (3, 1, rows * D + cols * D)]
     elif several:  # P_{j-1} and dP_{j-1} beside P_j and dP_j, then P_j^T dO beside P_{j-1}, P_j and dP_j;
-        nxt = (ck_next or ck) / ck  # and step 0 alone, a product beside P_0 and dP_0
+        nxt = min(ck, keys - ck) / ck  # the second block's share; and step 0 alone, a product beside P_0, dP_0
         phases = [(2 + 2 * nxt, 1, 0), (1 + 2 * nxt, 2, cols * Dv * nxt),
                   (2, 1, max(cols * Dv, rows * D, cols * D))]
     else:
@@ -212,8 +213,7 @@ def chunked_memory(B, H, Lq, Lk, D, Dv, itemsize, mode, cq, ck, docs=False, copi
         terms["document ids and positions (2, L) int64"] = 2 * Lq * 8
     if Hkv != H and cq < Lq:  # _per_kv_head's copies of a block of rows
         terms["q (and dout) rows of a block, per K/V head"] = B * H * cq * (D + Dv * (mode != "fwd")) * itemsize
-    ck_next = min(ck, Lk - ck) if Lk > ck else ck  # the second key block: narrower where the keys end in it
-    blocks = _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, Lk > ck, copies, alibi, Hkv, ck_next)
+    blocks = _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, Lk, copies, alibi, Hkv)
     if mode == "fwd":
         return {**terms, "m, log2(l) (B, H, Lq)": 2 * stats, "o (B, H, cq, Dv) float32": B * H * cq * Dv * acc,
                 **blocks}
@@ -299,8 +299,7 @@ def ring_memory(B, H, n, D, Dv, itemsize, mode, P, cq, ck, copies=False):
     cq, ck = min(cq, shard), min(ck, shard)
     kv, dkv = B * H * shard * (D + Dv) * itemsize, B * H * shard * (D + Dv) * acc
     base = {"o or out (B, H, n/P, Dv) float32": B * H * shard * Dv * acc, "m, l (B, H, n/P)": 2 * B * H * shard * acc}
-    blocks = _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, shard > ck, copies,
-                           ck_next=min(ck, shard - ck) if shard > ck else ck)
+    blocks = _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, shard, copies)
     if mode == "fwd":
         passing = {**base, "K, V blocks": min(P - 1, 3) * kv}
         return _heaviest(passing, {**base, "K, V blocks": min(P - 1, 2) * kv, **blocks})

@@ -2567,7 +2567,7 @@ def _check_mha_call(mha, x, attn_mask, is_causal, need_weights, positions, cu_se
     """MultiHeadAttention.forward's arguments, or a clear error, before anything is computed or written."""
     if x.dim() != 3 or x.size(-1) != mha.d_model:
         raise ValueError(f"expected x of shape (B, T, {mha.d_model}), got {tuple(x.shape)}")
-    if cu_seqlens is not None:  # here too: a function as impl may not check it
+    if cu_seqlens is not None and callable(mha.impl):  # the paths check it; a function as impl may not
         _check_cu_seqlens(cu_seqlens, x.size(1))
     if cache is not None:
         if (not is_causal) or (cu_seqlens is not None) or isinstance(attn_mask, CausalBias) or (

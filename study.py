@@ -457,6 +457,14 @@ def measure_matmul(spec):
     return {"tflops": 2 * N**3 / min(times) / 1e12, "N": N}
 
 
+def emulated(rate, N, dtype):
+    """What a matmul rate (measure_matmul's) timed on a product smaller than N x N says: this device emulates
+    dtype, so slowly that it took the smaller product (None where it is N x N's)."""
+    if rate.get("N", N) < N:
+        return f"the matmul rate is a {rate['N']} x {rate['N']} product's, not {N} x {N}: this device emulates {dtype}"
+    return None
+
+
 def native_bf16():
     """Whether this GPU computes in bfloat16 natively (compute capability 8.0 on): torch.cuda.is_bf16_supported()
     also says yes where bfloat16 is only emulated (T4, V100), and slow; a torch without including_emulation=
@@ -1383,9 +1391,8 @@ def predict(args, device, lengths, series, batch, modes):
     budget = args.mem_budget or (CPU_BUDGET_GIB if cpu else None)
     spec = {"device": device.type, "dtype": dtype, "N": 2048 if cpu else 8192, "seconds": 1.0}
     rate = measure_matmul(spec) if cpu or torch.cuda.is_available() else None
-    if rate and rate["N"] < spec["N"]:
-        print(f"({dtype} products were slow here: the rate is a {rate['N']} x {rate['N']} product's, not "
-              f"{spec['N']} x {spec['N']}; this device emulates {dtype})")
+    if rate and (slow := emulated(rate, spec["N"], dtype)):
+        print(f"({dtype} products were slow here: {slow})")
     rate = rate and rate["tflops"]
     cost_model.predict(points(args, device.type, dtype, lengths, series, batch, modes), device.type, dtype, budget,
                        rate, args.causal)
@@ -1499,10 +1506,8 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
         N = 2048 if info["device"] == "cpu" else 8192
         rate = runner({"kind": "matmul", "device": info["device"], "dtype": dtype, "N": N,
                        "seconds": 0.5 if args.quick else 1.0})
-        ceiling, emulated = rate["tflops"], None
-        if rate.get("N", N) < N:  # a smaller product, as one of N took long: a dtype the device emulates
-            emulated = (f"The matmul ceiling is a {rate['N']} x {rate['N']} product's: this device emulates {dtype}, "
-                        "so a kernel computing in float32 inside exceeds it (pct_matmul over 100).")
+        ceiling, slow = rate["tflops"], emulated(rate, N, dtype)
+        slow = slow and f"For the ceiling {slow}: a kernel computing in float32 inside exceeds it (pct_matmul > 100)."
         trained = os.path.join(out, "reversal.pt") if any(s.path in approx.STRATEGIES for s in series) else None
         if trained:  # the approximate series' error on a trained layer: one encoder, trained here on the CPU
             mt.train(mt.TrainConfig(out=trained, heatmap=None, device="cpu"), log=lambda *a: None)
@@ -1510,12 +1515,12 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
                       trained=trained, mem_budget_gib=f"{budget_gib:.3f}", min_repeats=1 if args.quick else 2,
                       target_s=0.2 if args.quick else args.target_seconds)
         print(f"study: {title}; {len(todo)} points -> {csv_path}")
-        print(f"matmul ceiling: {ceiling:.3f} TFLOP/s ({dtype}, measured now)" + f"\n{emulated}" * bool(emulated))
+        print(f"matmul ceiling: {ceiling:.3f} TFLOP/s ({dtype}, measured now)" + f"\n{slow}" * bool(slow))
         sweep(todo, lambda pt: runner({**pt, "device": info["device"]}), log, done, ceiling,
               info.get("threads"), predict_wall=info["device"] == "cpu" and not LINUX_MEMORY)
     note = f"sweep took {time.time() - t0:.0f} s; command: `{command}`"
-    if emulated:
-        note += f"\n\n{emulated}"
+    if slow:
+        note += f"\n\n{slow}"
     if info["device"] == "cpu" and not LINUX_MEMORY:
         note += ("\n\nNot measured on this OS: rss_mib (it needs Linux's /proc/self to reset and read a peak RSS). "
                  "The memory wall is predicted (no RLIMIT_AS here): a point is not run when the memory model's "

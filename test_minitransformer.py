@@ -4618,7 +4618,8 @@ def test_a_sweep_says_its_matmul_ceiling_is_an_emulated_dtypes(tmp_path):
     fake = fake_runner([])
     slow = lambda spec: {"tflops": 0.003, "N": 512} if spec.get("kind") == "matmul" else fake(spec)
     study.main(ARGS + ["--dtype", "bfloat16", "--out", str(tmp_path)], runner=slow)
-    assert "a 512 x 512 product's: this device emulates bfloat16" in (tmp_path / "summary.md").read_text()
+    summary = (tmp_path / "summary.md").read_text()
+    assert "a 512 x 512 product's, not 2048 x 2048: this device emulates bfloat16" in summary
 
 
 def test_a_redrawn_report_says_causal(tmp_path):
