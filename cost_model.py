@@ -164,7 +164,7 @@ def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, keys, copies, alibi=0, Hk
     and products). alibi: ALiBi's bias, added to S_j in place from the distances (cq, ck), made beside it
     after the copies its product took. Hkv: the heads of K and V (grouped-query attention), which key blocks
     have. keys: how many keys a block of query rows visits; where they end inside the second key block, the
-    float32 backward's blocks of step j are that narrow beside the full ones of step j - 1 (16-bit: taken full).
+    backward's blocks of step j are that narrow beside the full ones of step j - 1 (and step 0 is a phase alone).
     """
     several = keys > ck
     acc = max(itemsize, 4)
@@ -175,10 +175,13 @@ def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, keys, copies, alibi=0, Hk
         phases = [(1, 0, rows * D + cols * D), (2, 1, cols * Dv)]
     elif mode == "fwd":  # P_j V_j, P_j low if 16-bit, its product added to o (CUDA: made first)
         phases = [(1, 1, rows * Dv * (itemsize < 4))]
-    elif copies:  # dP_j (beside the pair of step j - 1), P_j^T dO, dS_j K_j and dS_j^T Q
-        p_then = 2 * several  # P_{j-1} (kept by dS's name) and dP_{j-1}, while dP_j is computed
-        phases = [(2 + p_then, several, rows * Dv + cols * Dv), (3 + several, 1 + several, rows * Dv),
-                  (3 + several, several + kept, rows * Dv + cols * Dv), (3, 1, rows * D + cols * D)]
+    elif copies:  # dP_j (beside P_{j-1}, kept by dS's name, and dP_{j-1}), P_j^T dO, dS_j K_j and dS_j^T Q
+        def step(now, then):  # step j's blocks `now` key blocks wide, beside `then` (0 or 1) of step j - 1's
+            return [(2 * now + 2 * then, then, rows * Dv + cols * Dv * now),
+                    (3 * now + then, now + then, rows * Dv),
+                    (3 * now + then, kept * now + then, rows * Dv + cols * Dv * now),
+                    (3 * now, now, rows * D + cols * D * now)]
+        phases = step(1, 0) + (step(min(ck, keys - ck) / ck, 1) if several else [])  # step 0, then the second
     elif several:  # P_{j-1} and dP_{j-1} beside P_j and dP_j, then P_j^T dO beside P_{j-1}, P_j and dP_j;
         nxt = min(ck, keys - ck) / ck  # the second block's share; and step 0 alone, a product beside P_0, dP_0
         phases = [(2 + 2 * nxt, 1, 0), (1 + 2 * nxt, 2, cols * Dv * nxt),

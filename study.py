@@ -67,10 +67,7 @@ def fit_exponent(ns, ys, last=3):
     pts = sorted((n, y) for n, y in zip(ns, ys) if y and y > 0)[-last:]
     if len(pts) < 2:
         return float("nan")
-    xs = [math.log(n) for n, _ in pts]
-    ls = [math.log(y) for _, y in pts]
-    mx, my = statistics.fmean(xs), statistics.fmean(ls)
-    return sum((x - mx) * (l - my) for x, l in zip(xs, ls)) / sum((x - mx) ** 2 for x in xs)
+    return statistics.linear_regression([math.log(n) for n, _ in pts], [math.log(y) for _, y in pts]).slope
 
 
 # Over two doublings fixed costs give linear paths memory "exponents" of -0.46 and 1.27 (--quick): an exponent
@@ -390,7 +387,8 @@ def measure_point(spec):
     ms = statistics.median(times)
     comm = ms * _ring_wait_share(work, step) if spec["path"] == "ring" and not cuda else None
     errors = _errors(spec, work) if spec["path"] in approx.STRATEGIES and spec["mode"] == "fwd" else {}
-    return {"kernel": kernel, "ms": ms, "ms_min": min(times), "ms_max": max(times), "comm_ms": comm,
+    lo_hi = (min(times), max(times)) if len(times) > 1 else (None, None)  # one repeat shows no spread
+    return {"kernel": kernel, "ms": ms, "ms_min": lo_hi[0], "ms_max": lo_hi[1], "comm_ms": comm,
             "peak_mib": peak, "rss_mib": rss, **errors}
 
 
@@ -579,10 +577,8 @@ class WorkerRunner:
         return [answers.get(i) for i in range(self.world)]
 
     def __call__(self, spec):
-        if (world := spec.get("world", 1)) != self.world:
-            if world not in self.others:
-                self.others[world] = WorkerRunner(self.device, self.budget_bytes, world)
-            return self.others[world](spec)
+        if (world := spec.get("world", 1)) != self.world:  # its processes start at its first point
+            return self.others.setdefault(world, WorkerRunner(self.device, self.budget_bytes, world))(spec)
         if not self.procs or not all(proc.is_alive() for proc in self.procs):
             self._stop()
             self._start()
@@ -806,12 +802,9 @@ def sweep(points, runner, log, done, ceiling, threads, predict_wall=False):
 
 
 def _ok_rows(rows):
-    out = {}
-    for r in rows:
-        if r["status"] == "ok":
-            out.setdefault((r["series"], r["mode"]), []).append(r)
-    for v in out.values():
-        v.sort(key=lambda r: int(r["n"]))
+    out = {}  # {(series, mode): its measured rows, n ascending}
+    for r in sorted((r for r in rows if r["status"] == "ok"), key=lambda r: int(r["n"])):
+        out.setdefault((r["series"], r["mode"]), []).append(r)
     return out
 
 
@@ -1280,7 +1273,8 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=_positive_int, default=8, help="number of heads H")
     p.add_argument("--head-dim", type=_positive_int, default=64, help="head dimension D")
     p.add_argument("--causal", action="store_true", help="causal attention in every series")
-    p.add_argument("--window", type=int, default=256, help="window of the sliding-window series (0: no such series)")
+    p.add_argument("--window", type=_checked(int, lambda x: x >= 0, "a window >= 0"), default=256,
+                   help="window of the sliding-window series (0: no such series)")
     p.add_argument("--mode", choices=["fwd", "fwd+bwd", "both"], default="both",
                    help="forward (inference, no autograd graph), forward+backward, or both")
     p.add_argument("--chunk-size", type=_chunk_size, default=None,
@@ -1304,18 +1298,15 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=_positive_int, default=10, help="rounds of --compare")
     p.add_argument("--report", action="store_true",
                    help="measure nothing: redraw plots and summary.md from <out>/study.csv")
-    p.add_argument("--target-seconds", type=float, default=0.5,
-                   help="time spent on repeats per point (at least 2 timed repeats, 1 with --quick)")
+    p.add_argument("--target-seconds", type=_checked(float, lambda x: 0 < x < math.inf, "a positive time"),
+                   help="time spent on repeats per point, up to 20 (default 0.5, 0.2 with --quick; at least 2 "
+                        "timed repeats, 1 with --quick)")
     args = p.parse_args(argv)
-    if args.window < 0:
-        p.error(f"--window must be >= 0, got {args.window}")
     # is_available() only counts devices (cudaGetDeviceCount, or NVML with PYTORCH_NVML_BASED_CUDA_CHECK=1):
     # it initialises the driver but creates no context and holds no GPU memory. Everything that would
     # (device name, capability, memory) is asked of the worker (describe_device).
     if args.device == "cuda" and not args.predict and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available here")
-    if not args.target_seconds > 0:  # NaN too
-        p.error(f"--target-seconds must be positive, got {args.target_seconds}")
     if args.tokens and args.batch:
         p.error("--tokens sets B = tokens // n at each length: not with --batch")
     return args, p
@@ -1513,7 +1504,7 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
             mt.train(mt.TrainConfig(out=trained, heatmap=None, device="cpu"), log=lambda *a: None)
         todo = points(args, info["label"], dtype, lengths, series, batch, modes, matmul_tflops=f"{ceiling:.4f}",
                       trained=trained, mem_budget_gib=f"{budget_gib:.3f}", min_repeats=1 if args.quick else 2,
-                      target_s=0.2 if args.quick else args.target_seconds)
+                      target_s=args.target_seconds or (0.2 if args.quick else 0.5))
         print(f"study: {title}; {len(todo)} points -> {csv_path}")
         print(f"matmul ceiling: {ceiling:.3f} TFLOP/s ({dtype}, measured now)" + f"\n{slow}" * bool(slow))
         sweep(todo, lambda pt: runner({**pt, "device": info["device"]}), log, done, ceiling,

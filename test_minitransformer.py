@@ -4349,6 +4349,8 @@ def test_memory_model_predicts_the_allocators_peak():
              ("chunked", "fwd+bwd", 1, 8, 2048, 128, 128, "bfloat16", {}),  # the end: dQ, dK, dV in both dtypes
              ("chunked", "fwd+bwd", 8, 8, 300, 64, 64, "float32", {}),  # a second key block of 44 keys
              ("chunked", "fwd+bwd", 4, 4, 130, 64, 64, "float32", {"chunk_size": (64, 128)}),  # of 2: step 0 weighs
+             ("chunked", "fwd+bwd", 8, 8, 300, 64, 64, "bfloat16", {}),  # the same two, through float32 copies
+             ("chunked", "fwd+bwd", 4, 4, 130, 64, 64, "bfloat16", {"chunk_size": (64, 128)}),
              ("chunked", "fwd", 2, 16, 256, 64, 64, "bfloat16", {}),
              ("chunked", "fwd+bwd", 2, 16, 256, 64, 64, "bfloat16", {}),
              ("chunked", "fwd+bwd", 2, 3, 1024, 48, 24, "bfloat16", {"chunk_size": (128, 64)}),
@@ -5470,6 +5472,25 @@ def test_forced_sdpa_kernels_run_or_are_reported_unsupported():
     for path in ("sdpa-efficient", "sdpa-cudnn"):
         with pytest.raises(study.PointUnsupported, match="does not support"):
             study.measure_point({**spec, "path": path})
+
+
+def test_one_repeat_shows_no_spread_and_a_given_target_holds_under_quick(tmp_path):
+    # a point timed once has no slowest-over-fastest: no spread is written, rather than a calm 1.00x
+    spec = {"device": "cpu", "dtype": "float32", "B": 1, "H": 2, "n": 64, "D": 16, "mode": "fwd", "causal": False,
+            "window": None, "chunk_size": None, "path": "naive", "min_repeats": 1, "target_s": 1e-9}
+    once, twice = study.measure_point(spec), study.measure_point({**spec, "min_repeats": 2})
+    assert once["ms_min"] is None and once["ms_max"] is None and study.spread(once) is None
+    assert twice["ms_min"] <= twice["ms"] <= twice["ms_max"]
+    # --target-seconds given beside --quick is the one used; --quick alone has its own
+    calls = []
+
+    def runner(spec):
+        calls.append(spec.get("target_s"))
+        return fake_runner([])(spec)
+    for extra, target in (([], 0.2), (["--target-seconds", "3"], 3.0)):
+        calls.clear()
+        study.main(ARGS + ["--quick", "--mode", "fwd", "--out", str(tmp_path / str(target))] + extra, runner=runner)
+        assert {t for t in calls if t is not None} == {target}
 
 
 SDPA = F.scaled_dot_product_attention  # the real one, for tests that replace it
