@@ -1034,8 +1034,10 @@ def _setup_device(cfg):
     one GPU per process."""
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if cfg.device == "auto" else cfg.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {cfg.device}: no CUDA device is available here")
+    try:  # a device torch names but this machine or this build of torch lacks: said now, by name
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise ValueError(f"--device {cfg.device} is not available here: {str(e).splitlines()[0][:150]}") from None
     if "LOCAL_RANK" in os.environ and device.type == "cuda":
         local_rank, count = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
         if local_rank >= count:

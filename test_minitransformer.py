@@ -5223,6 +5223,15 @@ def test_resume_refuses_other_options_and_the_cli_takes_the_saved_ones(tmp_path)
         mt.train(mt.parse_args(["--resume", ckpt, "--lr", "0.01"]), log=quiet)
 
 
+@pytest.mark.parametrize("device", ["mps", "xpu", "cuda:7"])
+def test_a_device_this_machine_lacks_is_named_before_training(device):
+    # torch parses these names; without the device the error names it, not mixed precision (--amp off)
+    if torch.cuda.device_count() > 7 if device == "cuda:7" else getattr(torch, device).is_available():
+        pytest.skip(f"this machine has {device}")
+    with pytest.raises(ValueError, match=rf"--device {device} is not available here: \S"):
+        mt.train(mt.TrainConfig(**{**SMALL, "steps": 1, "device": device}), log=quiet)
+
+
 def test_resume_with_another_number_of_processes_is_a_clear_error(tmp_path):
     ckpt = tmp_path / "ck.pt"
     mt.train(mt.TrainConfig(**{**SMALL, "steps": 4, "out": str(ckpt)}), log=quiet)
