@@ -1037,7 +1037,8 @@ def _setup_device(cfg):
     try:  # a device torch names but this machine or this build of torch lacks: said now, by name
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as e:
-        raise ValueError(f"--device {cfg.device} is not available here: {str(e).splitlines()[0][:150]}") from None
+        why = str(e).splitlines()[0][:150]
+        raise ValueError(f"--device {cfg.device} is not available here: {why}") from None
     if "LOCAL_RANK" in os.environ and device.type == "cuda":
         local_rank, count = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
         if local_rank >= count:
