@@ -54,10 +54,10 @@ def strided_attention(q, k, v, stride, is_causal=False, keys=None):
         raise ValueError(f"stride must be a positive int, got {stride!r}")
     if k.size(-2) != L:
         raise ValueError(f"strided attention is self-attention: Lq must equal Lk, got {L} and {k.size(-2)}")
-    s = min(stride, L)  # a stride past L: the band holds every key, as it would
+    s = max(1, min(stride, L))  # a stride past L: the band holds every key, as it would
     n = -(-L // s)  # n blocks: L / s rounded up
     keep = None if keys is None else keys.expand(B, 1, 1, L)
-    cq = min(L, 128)  # each block of cq query rows sees exactly one key block: keys i - s < j < i + s of its rows
+    cq = max(1, min(L, 128))  # each block of cq query rows sees exactly one key block: keys i - s < j < i + s
     band, band_lse = mt.chunked_attention(q, k, v, keep, is_causal=is_causal, window_size=s - 1, return_lse=True,
                                           chunk_size=(cq, cq + (1 if is_causal else 2) * (s - 1)))
 
@@ -70,7 +70,7 @@ def strided_attention(q, k, v, stride, is_causal=False, keys=None):
         visible = visible & real
     # B s H sequences of n rows: small blocks keep each block's (B s, H, 32, 32) scores small
     strided, strided_lse = mt.chunked_attention(by_offset(q), by_offset(k), by_offset(v), visible,
-                                                is_causal=is_causal, return_lse=True, chunk_size=min(n, 32))
+                                                is_causal=is_causal, return_lse=True, chunk_size=max(1, min(n, 32)))
     if strided.requires_grad:  # for the peak memory only (the same result without it): the backward copies its
         strided.register_hook(torch.Tensor.contiguous)  # gradient contiguous; copied here, the strided one is freed
     # merged in the layout (B, H, n, s, .) of _blocks, where both are views
@@ -108,8 +108,14 @@ def linear_attention(q, k, v, is_causal=False, chunk=64):
     the sums run over j <= i: per block of `chunk` positions, the sums of the blocks before it (an exclusive
     prefix sum over blocks, (L/chunk, D, Dv)) and, inside it, the (chunk, chunk) products with their causal
     mask: memory linear in L. The sums grow with L, so 16-bit inputs are summed in float32 (float16 would
-    overflow past a few thousand keys). A query with no key (phi(k) = 0 for every key, as padding) gets 0.
+    overflow past a few thousand keys), with autocast off (it would take the products back to 16 bits). A query
+    with no key (phi(k) = 0 for every key, as padding) gets 0.
     """
+    with mt._no_autocast(q):
+        return _linear_attention(q, k, v, is_causal, chunk)
+
+
+def _linear_attention(q, k, v, is_causal, chunk):
     dtype = q.dtype
     q, k, v = (t.to(torch.promote_types(t.dtype, torch.float32)) for t in (q, k, v))
     fq, fk = F.elu(q) + 1, F.elu(k) + 1  # (B, H, L, D), positive
@@ -171,19 +177,20 @@ def memory_compressed_attention(q, k, v, weight_k, weight_v, keys=None, is_causa
                          f"{q.size(-2)} and {Lk}")
 
     def compress(x, w):  # the convolution as one product over each window: (B, H, n, r d) @ (r d, d) -> (B, H, n, d)
-        return _blocks(x, ratio).flatten(-2) @ w.permute(2, 1, 0).flatten(0, 1)  # [t d + c, o] = w[o, c, t]
+        return _blocks(x, ratio).flatten(-2) @ w.permute(2, 1, 0).flatten(0, 1).to(x.dtype)  # [t d + c, o] = w[o, c, t]
     seen = None
     if keys is not None:  # padded keys and values out of the windows
         keys = keys.transpose(-2, -1)  # (B, 1, Lk, 1)
         k, v = k.masked_fill(~keys, 0.0), v.masked_fill(~keys, 0.0)
         seen = _blocks(keys, ratio).any(-2).transpose(-2, -1)  # (B, 1, 1, n): the windows that hold a key
-    k, v = compress(k, weight_k), compress(v, weight_v)
+    with mt._no_autocast(q):  # in q's dtype: under autocast chunked_attention casts q, k, v alike
+        k, v = compress(k, weight_k), compress(v, weight_v)
     if not is_causal:
         return mt.chunked_attention(q, k, v, seen)
     n = k.size(-2)
     q = _blocks(q, ratio)  # (B, H, n, r, D): query a r + t at [a, t]
     last = mt.chunked_attention(q[:, :, :, -1], k, v, seen, is_causal=True)  # t = r - 1: j <= a
-    if ratio == 1:  # every window one query, its last
+    if ratio == 1 or n == 0:  # every window one query, its last; or no window
         return last
     later = lambda x: F.pad(x, (0, 0, 1, -1))  # noqa: E731 (B, H, n, d) shifted down a row: a zero row on top,
     seen_later = F.pad(  # the last cut; the same for the mask, False for that row
@@ -328,12 +335,14 @@ def trained_inputs(checkpoint, n, device):
                          f"got pos_encoding={state['model_config']['pos_encoding']!r}")
     model = mt.TokenClassifier(mt.EncoderConfig(**{**state["model_config"], "max_len": n}))
     model.load_state_dict(state["model"])
+    model.eval()  # no dropout on what is read
     attn, seen = model.encoder.layers[-1].self_attn, []
     attn.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
     with torch.no_grad():
         model(torch.randint(1, model.encoder.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0)))
-        qkv = attn.qkv(seen[0]).chunk(3, dim=-1)  # (1, n, C) each
-    return [t.unflatten(-1, (attn.n_heads, -1)).transpose(1, 2).to(device) for t in qkv]  # (1, H, n, D)
+        C, kv = attn.d_model, attn.n_kv_heads * (attn.d_model // attn.n_heads)
+        qkv = attn.qkv(seen[0]).split([C, kv, kv], dim=-1)  # (1, n, C), (1, n, H_kv * D) twice, as the module's
+    return [t.unflatten(-1, (-1, C // attn.n_heads)).transpose(1, 2).to(device) for t in qkv]  # (1, H or H_kv, n, D)
 
 
 # The scores each strategy computes for n queries (about half with causality; linear attention computes none):
