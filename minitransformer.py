@@ -1034,11 +1034,6 @@ def _setup_device(cfg):
     one GPU per process."""
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if cfg.device == "auto" else cfg.device)
-    try:  # a device torch names but this machine or this build of torch lacks: said now, by name
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as e:
-        why = str(e).splitlines()[0][:150]
-        raise ValueError(f"--device {cfg.device} is not available here: {why}") from None
     if "LOCAL_RANK" in os.environ and device.type == "cuda":
         local_rank, count = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
         if local_rank >= count:
@@ -1047,6 +1042,11 @@ def _setup_device(cfg):
                                "--device cpu")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+    try:  # a device torch names but this machine or this build of torch lacks: said now, by name
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:
+        why = str(e).splitlines()[0][:150]
+        raise ValueError(f"--device {cfg.device} is not available here: {why}") from None
     if "RANK" not in os.environ:
         return device, 0, 1
     torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -2520,7 +2520,7 @@ def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size
         name, t = next((name, t) for name, t in (("q", q), ("k", k), ("v", v)) if t.dim() != 4)
         raise ValueError(f"{name} must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
     (B, H, Lq, D), (Bk, Hk, Lk, Dk), (Bv, Hv, Lv, _) = q.shape, k.shape, v.shape
-    if B != Bk or (Bk, Hk) != (Bv, Hv) or (H % Hk if enable_gqa else H != Hk):
+    if B != Bk or (Bk, Hk) != (Bv, Hv) or ((H % Hk if Hk else H) if enable_gqa else H != Hk):
         raise ValueError(f"q, k, v must share (B, H), or with enable_gqa=True k and v have H_kv heads, a "
                          f"divisor of q's H (grouped-query attention); got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}, enable_gqa={enable_gqa}")
@@ -2706,10 +2706,12 @@ def _no_autocast(q):
 
 
 def _chunks(chunk_size):
-    cq, ck = (chunk_size, chunk_size) if isinstance(chunk_size, int) else chunk_size
-    if cq < 1 or ck < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size!r}")
-    return cq, ck
+    sizes = (chunk_size,) * 2 if isinstance(chunk_size, int) else tuple(chunk_size) if isinstance(
+        chunk_size, (tuple, list)) else ()
+    if len(sizes) != 2 or not all(type(n) is int and n >= 1 for n in sizes):
+        raise ValueError(f"chunk_size must be a positive int or a pair of them (query block, key block), got "
+                         f"{chunk_size!r}")
+    return sizes
 
 
 def _positions(T, max_len, positions):

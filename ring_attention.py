@@ -38,6 +38,8 @@ def shard_sequence(x, rank, world_size, layout="contiguous", dim=-2):
     """Rank `rank`'s shard of x along dim: positions [r*L/P, (r+1)*L/P) ("contiguous"), or chunks
     r and 2P-1-r of 2P, concatenated ("zigzag")."""
     _check_ring_layout(x.size(dim), world_size, layout)
+    if not (type(rank) is int and 0 <= rank < world_size):  # -1: dist.get_rank(group) outside the group
+        raise ValueError(f"rank must be one of 0 .. {world_size - 1}, got {rank!r}")
     if layout == "contiguous":
         return x.chunk(world_size, dim)[rank]
     chunks = x.chunk(2 * world_size, dim)
@@ -60,8 +62,7 @@ def ring_attention(q, k, v, *, is_causal=False, scale=None, group=None, layout="
     mismatch ends the CUDA context on every rank, as a failed collective would. An error raised
     on one rank alone before this call (a bad token id, say) leaves the others waiting in it.
     """
-    q, k, v, scale = _check_ring_args(q, k, v, is_causal, scale, group, layout)
-    cq, ck = mt._chunks(mt.default_chunk_size(q.device) if chunk_size is None else chunk_size)
+    q, k, v, scale, (cq, ck) = _check_ring_args(q, k, v, is_causal, scale, group, layout, chunk_size)
     return _RingAttention.apply(q, k, v, is_causal, scale, group, layout, cq, ck)
 
 
@@ -214,7 +215,7 @@ class ShardedEncoder(nn.Module):
 
     forward(idx, is_causal): idx (B, T/P), this rank's shard of token ids (shard_sequence, dim=1,
     in `layout`) -> this rank's shard of the hidden states, (B, T/P, d_model). Positions are the
-    tokens' places in the whole sequence. The encoder's config needs dropout=0.0, window_size=None
+    tokens' places in the whole sequence. The encoder's config needs dropout=0.0, window_size=None, n_kv_heads=None
     and a pos_encoding other than ALiBi. Its weights are the encoder's own, and its layers attend through the ring
     only inside this forward: the encoder itself still runs unsharded. So nothing may recompute a
     layer outside it (reentrant torch.utils.checkpoint would recompute it without the ring).
@@ -224,10 +225,12 @@ class ShardedEncoder(nn.Module):
     def __init__(self, encoder, group=None, layout="contiguous", chunk_size=None):
         super().__init__()
         c = encoder.config
-        if c.dropout or c.window_size is not None or c.pos_encoding == "alibi":
-            raise ValueError(f"the ring has no dropout, no window and no ALiBi: build the encoder with dropout=0.0, "
-                             f"window_size=None and another pos_encoding, got dropout={c.dropout}, window_size="
-                             f"{c.window_size}, pos_encoding={c.pos_encoding!r}")
+        grouped = c.n_kv_heads not in (None, c.n_heads)
+        if c.dropout or c.window_size is not None or c.pos_encoding == "alibi" or grouped:
+            raise ValueError(f"the ring has no dropout, no window, no ALiBi and no grouped K/V heads: build the encoder "
+                             f"with dropout=0.0, window_size=None, another pos_encoding and n_kv_heads=None, got "
+                             f"dropout={c.dropout}, window_size={c.window_size}, pos_encoding={c.pos_encoding!r}, "
+                             f"n_kv_heads={c.n_kv_heads}")
         if layout not in RING_LAYOUTS:
             raise ValueError(f"layout must be one of {RING_LAYOUTS}, got {layout!r}")
         self.encoder, self.group, self.layout, self.chunk_size = encoder, group, layout, chunk_size
@@ -260,8 +263,8 @@ class ShardedEncoder(nn.Module):
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check_ring_args(q, k, v, is_causal, scale, group, layout):
-    """(q, k, v, scale) checked on this rank, and the same shard shape, dtype, layout, is_causal and scale on
+def _check_ring_args(q, k, v, is_causal, scale, group, layout, chunk_size=None):
+    """(q, k, v, scale, blocks) checked on this rank, and the same shard shape, dtype, layout, is_causal and scale on
     every rank, compared by one all-reduce of a description of fixed length: on a CPU the verdict is read and
     named, on a GPU it is a device-side assert (no host sync)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -270,9 +273,13 @@ def _check_ring_args(q, k, v, is_causal, scale, group, layout):
     world, rank, problem = dist.get_world_size(group), dist.get_rank(group), None
     # (B, H, n, D, Dv, dtype, layout, is_causal, scale's bits in two halves): one length on every rank, and
     # whatever the error, this rank still takes part in the all-reduce below
-    shard = [0] * 10
+    shard, blocks = [0] * 10, None
     try:
+        if q.dim() == k.dim() == 4 and q.size(1) != k.size(1):  # before _attention_args, which offers enable_gqa
+            raise ValueError(f"the ring takes k and v with q's heads (no grouped-query attention): got {q.size(1)} "
+                             f"and {k.size(1)}")
         q, k, v, *_, scale = mt._attention_args(q, k, v, None, 0.0, False, scale, None)
+        blocks = mt._chunks(mt.default_chunk_size(q.device) if chunk_size is None else chunk_size)
         if q.size(-2) != k.size(-2):
             raise ValueError(f"q and k shards must be as long, got {q.size(-2)} and {k.size(-2)}")
         _check_ring_layout(q.size(-2) * world, world, layout)
@@ -293,7 +300,7 @@ def _check_ring_args(q, k, v, is_causal, scale, group, layout):
         torch._assert_async(agree, "ring_attention: a rank refused its input, or the ranks disagree")
         if problem:
             raise ValueError(f"ring_attention refused its input on rank {rank}: {problem}")
-        return q, k, v, scale
+        return q, k, v, scale, blocks
     seen = seen.tolist()
     if any(seen[2 * n:]):
         refusing = [r for r in range(world) if seen[2 * n + r]]
@@ -310,7 +317,7 @@ def _check_ring_args(q, k, v, is_causal, scale, group, layout):
             differ.append("scale")
         raise ValueError("ring_attention needs shards of one shape, dtype and layout, and one is_causal and "
                          f"scale, on every rank; across the ranks these differ: {', '.join(differ)}")
-    return q, k, v, scale
+    return q, k, v, scale, blocks
 
 
 def _check_ring_layout(L, world, layout):

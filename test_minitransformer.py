@@ -63,6 +63,7 @@ CUDA-only tests skip without a GPU.
 """
 
 import contextlib
+import dataclasses
 import datetime
 import gc
 import itertools
@@ -3039,6 +3040,60 @@ def test_linear_attention_sums_16_bit_inputs_in_float32():
         assert ((got.double() - want).norm() / want.norm()).item() < 2e-3, causal
 
 
+def test_approximate_strategies_under_autocast_and_at_length_zero():
+    # fp16 autocast: linear attention's sums stay float32 (autocast took its products back to 16 bits, where
+    # phi(q) . sum phi(k) overflowed and every output row became 0); float32 inputs under bfloat16 autocast reach
+    # the chunked path in one dtype (compressed attention's products came out bfloat16 beside a float32 q)
+    q, k, v = (torch.randn(1, 2, 1024, 64, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    for causal in (False, True):
+        want = approx.linear_attention(q.double(), k.double(), v.double(), causal)
+        with torch.autocast("cpu", dtype=torch.float16):
+            got = approx.LinearAttention()(q.half(), k.half(), v.half(), is_causal=causal)
+        assert ((got.double() - want).norm() / want.norm()).item() < 2e-3, causal
+    w = torch.randn(8, 8, 3, generator=torch.Generator().manual_seed(3)) / 5
+    x = torch.randn(1, 2, 12, 8, generator=torch.Generator().manual_seed(4))
+    for causal in (False, True):
+        want = approx.memory_compressed_attention(x.double(), x.double(), x.double(), w.double(), w.double(),
+                                                  is_causal=causal)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = approx.memory_compressed_attention(x, x, x, w, w, is_causal=causal)
+        assert got.dtype == torch.bfloat16 and (got.double() - want).abs().max().item() < 0.05, causal
+    # no positions: an empty output, as SDPA gives
+    empty = torch.randn(1, 2, 0, 8)
+    for causal in (False, True):
+        assert approx.strided_attention(empty, empty, empty, 4, is_causal=causal).shape == (1, 2, 0, 8)
+        assert approx.memory_compressed_attention(empty, empty, empty, w, w, is_causal=causal).shape == (1, 2, 0, 8)
+
+
+def test_chunk_size_is_refused_by_name_and_no_heads_with_enable_gqa_is_empty():
+    q = torch.randn(1, 2, 8, 4)
+    for bad in (0, 2.5, (4,), (4, 0), "8", True):
+        with pytest.raises(ValueError, match="chunk_size must be a positive int or a pair of them"):
+            mt.chunked_attention(q, q, q, chunk_size=bad)
+    empty = torch.randn(2, 0, 8, 4)  # no heads: SDPA gives an empty output, with enable_gqa too
+    for impl in mt.IMPLS:
+        assert mt.attention(empty, empty, empty, impl=impl, enable_gqa=True).shape == (2, 0, 8, 4), impl
+
+
+def test_trained_inputs_of_a_grouped_query_model_are_its_q_k_v(tmp_path):
+    # a checkpoint with n_kv_heads < n_heads: q of H heads, k and v of H_kv, as the layer computes them
+    cfg = mt.EncoderConfig(vocab_size=16, max_len=16, d_model=64, n_heads=4, n_kv_heads=1, n_layers=1, d_ff=64)
+    model = mt.TokenClassifier(cfg)
+    path = str(tmp_path / "gqa.pt")
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(cfg), "optimizer": {}, "scaler": {},
+                "scheduler": {}, "step": 0, "rng": [], "train_config": {}, "world_size": 1}, path)
+    q, k, v = approx.trained_inputs(path, 8, "cpu")
+    attn, seen = model.encoder.layers[-1].self_attn, {}
+    hook = lambda module, args, out: seen.setdefault("qkv", out)  # noqa: E731
+    attn.qkv.register_forward_hook(hook)
+    with torch.no_grad():
+        model(torch.randint(1, 16, (1, 8), generator=torch.Generator().manual_seed(0)))
+    want = seen["qkv"].split([64, 16, 16], dim=-1)
+    assert [tuple(t.shape) for t in (q, k, v)] == [(1, 4, 8, 16), (1, 1, 8, 16), (1, 1, 8, 16)]
+    for got, w in zip((q, k, v), want):
+        torch.testing.assert_close(got, w.unflatten(-1, (-1, 16)).transpose(1, 2), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("strategy", ["strided", "compressed"])
 def test_strided_and_compressed_attention_keep_no_scores(strategy, causal):
@@ -3937,10 +3992,15 @@ def ring_errors_case(rank, world):
         except ValueError as e:
             messages.append(str(e))
     # a 3-D shard on rank 0 alone (the all-reduce keeps its length), and ranks that disagree on is_causal
-    for q, causal, scale in ((torch.randn(2, 8, 8) if rank == 0 else torch.randn(1, 2, 8, 8), False, None),
-                             (torch.randn(1, 2, 8, 8), rank == 0, -0.0 if rank == 0 else 0.5)):
+    # a bad chunk_size on rank 0 alone, and K/V shards of fewer heads (no grouped-query attention in the ring)
+    for q, k, causal, scale, blocks in (
+            (torch.randn(2, 8, 8) if rank == 0 else torch.randn(1, 2, 8, 8), None, False, None, None),
+            (torch.randn(1, 2, 8, 8), None, rank == 0, -0.0 if rank == 0 else 0.5, None),
+            (torch.randn(1, 2, 8, 8), None, False, None, 2.5 if rank == 0 else 4),
+            (torch.randn(1, 2, 8, 8), torch.randn(1, 1, 8, 8), False, None, None)):
         try:
-            ring.ring_attention(q, q, q, is_causal=causal, scale=scale)
+            ring.ring_attention(q, q if k is None else k, q if k is None else k, is_causal=causal, scale=scale,
+                                chunk_size=blocks)
         except ValueError as e:
             messages.append(str(e))
     # what the ring does not do is refused on the rank that asks, before any message is sent
@@ -3954,6 +4014,7 @@ def ring_errors_case(rank, world):
                     lambda: mt.MultiHeadAttention(32, 2, impl=ring.ring_impl(), alibi=True)(x),
                     lambda: ring.ShardedEncoder(mt.Encoder(mt.EncoderConfig(dropout=0.1, **cfg))),
                     lambda: ring.ShardedEncoder(mt.Encoder(mt.EncoderConfig(window_size=4, **cfg))),
+                    lambda: ring.ShardedEncoder(mt.Encoder(mt.EncoderConfig(n_kv_heads=1, **cfg))),
                     lambda: ring.ShardedEncoder(mt.Encoder(mt.EncoderConfig(**cfg)), layout="spiral"),
                     lambda: ring.ShardedEncoder(mt.Encoder(mt.EncoderConfig(**cfg))).attention_weights(
                         torch.zeros(1, 8, dtype=torch.long))]
@@ -4105,7 +4166,7 @@ def test_ring_encoder_equals_the_unsharded_encoder_its_memory_is_modelled_and_ba
     for case in memory:  # the memory model of a rank, against the allocator: within 3%
         assert all(0.97 < ratio < 1.03 for ratio in results[case]), (case, results[case])
     for rank, messages in enumerate(results[("errors",)]):
-        assert len(messages) == 13  # every case raised on every rank: none left another waiting
+        assert len(messages) == 16  # every case raised on every rank: none left another waiting
         assert "ring_attention needs shards of one shape, dtype and layout" in messages[0] and "n from 6 to 8" in messages[0]
         assert f"rank {rank}: a zigzag layout cuts the sequence into 4 equal parts" in messages[1]
         assert "even" in messages[1] and all(f"rank {r}:" in messages[1] for r in range(2))
@@ -4113,10 +4174,15 @@ def test_ring_encoder_equals_the_unsharded_encoder_its_memory_is_modelled_and_ba
         assert ("a zigzag layout" in messages[2]) == (rank == 0)  # the rank at fault names its problem
         assert "refused its input on rank 0:" in messages[3] and ("q must be 4-D" in messages[3]) == (rank == 0)
         assert "is_causal from 0 to 1, scale" in messages[4]
-        assert "need_weights" in messages[5] and "no window_size" in messages[6] and "no attn_mask" in messages[7]
-        assert "no alibi_slopes, got" in messages[8] and "alibi_slopes=(2,)" in messages[8]
-        assert "no dropout" in messages[9] and "window_size=4" in messages[10] and "layout must be one of" in messages[11]
-        assert "attention_weights needs the whole sequence" in messages[12]
+        assert "refused its input on rank 0:" in messages[5] and "rank 1" not in messages[5]
+        assert ("chunk_size must be a positive int or a pair of them" in messages[5]) == (rank == 0)
+        assert f"rank {rank}: the ring takes k and v with q's heads" in messages[6] and "rank 1 - rank" not in messages[6]
+        assert all(f"rank {r}:" in messages[6] for r in range(2))
+        assert "enable_gqa" not in messages[6]
+        assert "need_weights" in messages[7] and "no window_size" in messages[8] and "no attn_mask" in messages[9]
+        assert "no alibi_slopes, got" in messages[10] and "alibi_slopes=(2,)" in messages[10]
+        assert "no dropout" in messages[11] and "window_size=4" in messages[12] and "n_kv_heads=1" in messages[13]
+        assert "layout must be one of" in messages[14] and "attention_weights needs the whole sequence" in messages[15]
     with pytest.raises(RuntimeError, match="ring_attention needs a process group"):
         ring.ring_attention(*(torch.randn(1, 2, 8, 8) for _ in range(3)))
 
