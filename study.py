@@ -2,7 +2,7 @@
 study.py: what attention really costs, predicted and measured on your own machine.
 
     python study.py                    # default sweep (CUDA if present, else CPU) -> runs/<device>/
-    python study.py --quick            # smoke run, about 20 s on a 2-core CPU -> runs/<device>-quick/
+    python study.py --quick            # smoke run, about 16 s on a 2-core CPU -> runs/<device>-quick/
     python study.py --predict --lengths 32768 --batch 8 --heads 16 --head-dim 128 --dtype bfloat16 --mem-budget 80
     python study.py --series ring2,ring4 --lengths 1024,4096    # ring attention across 2 and 4 processes
     python study.py --compare          # flash, chunked, chunked-causal timed side by side at n = 4096
@@ -26,6 +26,7 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -983,11 +984,11 @@ def noise_report(rows):
     if not any(spread(r) is not None for r in ok):
         return ["", "Spread of the repeats: not recorded in this CSV (written before study.py recorded it)."]
     twice = [r for r in ok if r.get("noise")]
-    noisy = "; ".join(f"{r['series']} {r['mode']} n={r['n']} ({spread(r):.2f}x)" for r in twice
-                      if r["noise"].startswith("noisy"))
+    noisy = [f"{r['series']} {r['mode']} n={r['n']} ({spread(r):.2f}x)" for r in twice if r["noise"].startswith("noisy")]
     return ["", f"Spread: each point's slowest repeat over its fastest (time: their median). {len(twice)} of {len(ok)} "
             f"points spread wider than {NOISY:g}x and were measured once more, keeping the run that spread less; "
-            + (f"still wider after it, so their times and the ratios from them are noisy: {noisy}." if noisy else
+            + (f"{len(noisy)} of them still wider after it, so their times and the ratios from them are noisy: "
+               f"{'; '.join(noisy)}." if noisy else
                "none stayed wider.")]
 
 
@@ -1216,7 +1217,7 @@ def claims(curves, fits):
             a, b = _at(curves, "naive", mode, common[-1]), _at(curves, "flash", mode, common[-1])
             x = float(a["ms"]) / float(b["ms"])
             lo, hi = _time_range(a, b) or (x, x)  # the range the repeats allow decides, not the median alone
-            verdict = "within" if 2 <= lo and hi <= 4 else "above" if lo > 4 else "below" if hi < 2 else "astride"
+            verdict = "within" if 2 <= lo and hi <= 4 else "above" if lo > 4 else "below" if hi < 2 else "partly within"
             lines.append(f"- \"The fused kernel is 2-4x faster than the standard implementation\" ({mode}, "
                          f"n={common[-1]}, kernel {b['kernel']}): measured {_ratio(a, b, 'ms')}, {verdict} the "
                          "claimed range.")
@@ -1509,7 +1510,7 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
         print(f"matmul ceiling: {ceiling:.3f} TFLOP/s ({dtype}, measured now)" + f"\n{slow}" * bool(slow))
         sweep(todo, lambda pt: runner({**pt, "device": info["device"]}), log, done, ceiling,
               info.get("threads"), predict_wall=info["device"] == "cpu" and not LINUX_MEMORY)
-    note = f"sweep took {time.time() - t0:.0f} s; command: `{command}`"
+    note = f"sweep took {time.time() - t0:.0f} s; command: `{command}`; code: {code_version()}"
     if slow:
         note += f"\n\n{slow}"
     if info["device"] == "cpu" and not LINUX_MEMORY:
@@ -1517,6 +1518,17 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
                  "The memory wall is predicted (no RLIMIT_AS here): a point is not run when the memory model's "
                  "peak and the inputs exceed the budget.")
     write_report(csv_path, out, title, note)
+
+
+def code_version():
+    """The commit of the code that measured (git describe --always --dirty), "unknown" outside a git checkout:
+    a folder of results is what the code of its day measured."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        run = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
+        if run.returncode == 0:
+            return run.stdout.strip()
+    return "unknown"
 
 
 def write_report(csv_path, out, title, note):

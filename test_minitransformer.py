@@ -4670,6 +4670,7 @@ def test_sweep_records_oom_and_goes_on(tmp_path):
     assert ("naive", "fwd+bwd", 256) not in calls  # the curve stops: nothing run past the OOM
     assert all(status[("chunked", m, n)] == "ok" for m in study.MODES for n in (64, 128, 256))
     swept = next(line for line in (tmp_path / "summary.md").read_text().splitlines() if line.startswith("sweep took"))
+    assert swept.endswith(f"; code: {study.code_version()}")  # the commit of the code that measured
     study.main(["--device", "cpu", "--out", str(tmp_path), "--report"])  # redrawn: the sweep's time and command kept
     study.main(["--device", "cpu", "--out", str(tmp_path), "--report"])  # and again: the note does not grow
     assert swept in (tmp_path / "summary.md").read_text()
