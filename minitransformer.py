@@ -1602,8 +1602,10 @@ def attend_block(q, k, v, rows, o, m, l, opts):
 
     Z_j is dropout's keep-mask (all ones without dropout); l counts the dropped weights too, so
     that out = o / (l * (1 - p)) keeps the expectation. o (B, H, rows, Dv), m and l (B, H, rows, 1),
-    float32 (float64 for float64), are updated in place; opts: block_options. k, v may have fewer heads (GQA;
-    o must then be contiguous: the products are added into a view of it in that layout).
+    float32 (float64 for float64), are updated in place; opts: block_options. m starts at the lowest finite
+    value, not -inf: a row that has seen no key keeps it, and its P_j is exp2(-inf - m') = 0, where -inf would
+    give exp2(-inf + inf) = NaN. k, v may have fewer heads (GQA; o must then be contiguous: the products are
+    added into a view of it in that layout).
     """
     if q.size(0) * q.size(1) == 0:  # an empty batch, or no heads: nothing to attend
         return
@@ -1613,11 +1615,8 @@ def attend_block(q, k, v, rows, o, m, l, opts):
     for cols in opts.vis.key_blocks(rows, k.size(-2), opts.ck):
         s = _scores(q_i, k, rows, cols, opts, scratch=scratch)  # (B, H, cq, ck)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-        # a row masked so far has m_new = -inf, and exp2(-inf - (-inf)) = NaN: the lowest
-        # finite value makes it exp2(-inf) = 0 and changes no other row
-        m_safe = m_new.clamp(min=torch.finfo(m.dtype).min)
-        p = s.sub_(m_safe).exp2_()  # P_j, in place: no second block-sized buffer
-        alpha = torch.exp2(m - m_safe)
+        p = s.sub_(m_new).exp2_()  # P_j, in place: no second block-sized buffer
+        alpha = m.sub_(m_new).exp2_()  # in m's place, which takes m' once o is rescaled
         l.mul_(alpha).add_(p.sum(-1, keepdim=True))
         if opts.dropout_p > 0.0:
             _drop(p, _keep_bits(opts.row_hash[:, :, rows], opts.col_hash[cols], opts.dropout_p))
@@ -1627,7 +1626,7 @@ def attend_block(q, k, v, rows, o, m, l, opts):
 
 
 def chunked_forward(q, k, v, opts, cq):
-    """The forward: every block of cq query rows starts from m = -inf, l = 0, o = 0, visits its key
+    """The forward: every block of cq query rows starts from m = finfo.min, l = 0, o = 0, visits its key
     blocks (attend_block), and ends as out = o / (l * (1 - p)). Returns out (B, H, Lq, Dv) and per
     query m and log2(l), (B, H, Lq, 1), float32 or wider, for the backward (kept apart: a finfo.min
     bias makes m so large that m + log2(l) would round to m); a query with every key masked gets
@@ -1637,7 +1636,7 @@ def chunked_forward(q, k, v, opts, cq):
     out = q.new_empty(B, H, Lq, v.size(-1))
     m_all, log2_l = (q.new_empty(B, H, Lq, 1, dtype=acc_dtype) for _ in range(2))
     for rows in _blocks(Lq, cq):
-        m = q.new_full((B, H, rows.stop - rows.start, 1), float("-inf"), dtype=acc_dtype)
+        m = q.new_full((B, H, rows.stop - rows.start, 1), torch.finfo(acc_dtype).min, dtype=acc_dtype)
         l = torch.zeros_like(m)
         o = q.new_zeros(B, H, rows.stop - rows.start, v.size(-1), dtype=acc_dtype)
         attend_block(q, k, v, rows, o, m, l, opts)

@@ -136,7 +136,7 @@ def _ring_forward(q, k, v, is_causal, scale, group, layout, cq, ck):
     q = q.contiguous()
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     o = q.new_zeros(*q.shape[:-1], v.size(-1), dtype=acc_dtype)  # (B, H, n, Dv): the running output
-    m = q.new_full((*q.shape[:-1], 1), float("-inf"), dtype=acc_dtype)  # (B, H, n, 1)
+    m = q.new_full((*q.shape[:-1], 1), torch.finfo(acc_dtype).min, dtype=acc_dtype)  # (B, H, n, 1)
     l = torch.zeros_like(m)
     kv = k.contiguous(), v.contiguous()  # (B, H, n, D), (B, H, n, Dv): the visiting block, first our own
     steps = _ring_steps(rank, world, q.size(-2), is_causal, layout)
