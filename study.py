@@ -1493,6 +1493,7 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
             p.error(f"--resume: {csv_path} is another run's: {why}. Run without --resume (the old CSV is then set "
                     "aside, not overwritten), or give another --out")
     done = {_key(r) for r in read_rows(csv_path) if r["status"] == "ok"} if args.resume else set()
+    code = code_version()  # before the CSV is set aside: a committed folder's would make the checkout dirty
     with contextlib.closing(CsvLog(csv_path, args.resume)) as log:
         t0 = time.time()
         N = 2048 if info["device"] == "cpu" else 8192
@@ -1510,7 +1511,7 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
         print(f"matmul ceiling: {ceiling:.3f} TFLOP/s ({dtype}, measured now)" + f"\n{slow}" * bool(slow))
         sweep(todo, lambda pt: runner({**pt, "device": info["device"]}), log, done, ceiling,
               info.get("threads"), predict_wall=info["device"] == "cpu" and not LINUX_MEMORY)
-    note = f"sweep took {time.time() - t0:.0f} s; command: `{command}`; code: {code_version()}"
+    note = f"sweep took {time.time() - t0:.0f} s; command: `{command}`; code: {code}"
     if slow:
         note += f"\n\n{slow}"
     if info["device"] == "cpu" and not LINUX_MEMORY:
