@@ -3070,6 +3070,9 @@ def test_chunk_size_is_refused_by_name_and_no_heads_with_enable_gqa_is_empty():
     for bad in (0, 2.5, (4,), (4, 0), "8", True):
         with pytest.raises(ValueError, match="chunk_size must be a positive int or a pair of them"):
             mt.chunked_attention(q, q, q, chunk_size=bad)
+    for impl in mt.IMPLS:  # a learned scale would lose its gradient in float(): refused, as SDPA refuses it
+        with pytest.raises(TypeError, match="scale must be a number, not a tensor that requires grad"):
+            mt.attention(q, q, q, impl=impl, scale=torch.tensor(0.5, requires_grad=True))
     empty = torch.randn(2, 0, 8, 4)  # no heads: SDPA gives an empty output, with enable_gqa too
     for impl in mt.IMPLS:
         assert mt.attention(empty, empty, empty, impl=impl, enable_gqa=True).shape == (2, 0, 8, 4), impl
