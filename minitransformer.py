@@ -94,8 +94,8 @@ def standard_attention(q, k, v, attn_mask=None, is_causal=False):
 class BlockwiseAttention(torch.autograd.Function):
     """FlashAttention-2 (Dao 2023): softmax(Q K^T / sqrt(D) + M) V in blocks, never holding all the scores.
 
-    Forward (its Algorithm 1). Each block of queries Q_i visits the blocks of keys K_j, V_j it may see,
-    keeping per query a running row max m, a normaliser l and an unnormalised output o (M: the mask):
+    Forward (its Algorithm 1). Each block of queries Q_i visits the key blocks K_j, V_j (causal: up to its
+    own), keeping per query a running max m, normaliser l and unnormalised output o (M: the mask):
 
         S = Q_i K_j^T / sqrt(D) + M,   m' = max(m, rowmax(S)),   P~ = exp(S - m'),   a = exp(m - m'),
         l' = a l + rowsum(P~),   o' = a o + P~ V_j,   and at the end O_i = o / l,   lse = m + log(l).
@@ -211,9 +211,10 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
               window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None, enable_gqa=False,
               score_mod=None):
     """softmax(Q K^T * scale + M) V, equal to the core where both apply, through impl: one of IMPLS (the
-    appendix's paths: "naive", the formula with its (Lq, Lk) scores; "chunked", the blockwise algorithm in
-    O(L) memory; "flash", PyTorch's fused kernels), or a function with their arguments
-    (ring_attention.ring_impl, approximate_attention's modules).
+    appendix's paths: "naive", the formula with its (Lq, Lk) scores; "chunked", the core's blockwise
+    algorithm in O(L) memory; "flash", PyTorch's fused kernels, which run that algorithm inside one kernel),
+    or a function with their arguments (ring_attention.ring_impl, approximate_attention's modules). M: 0
+    where a query sees a key and -inf where not, plus a float mask's values and ALiBi's bias.
 
     q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv). attn_mask: bool, True where a
     query may attend, or float, added to the scores, broadcast to (B, H, Lq, Lk); is_causal: query i sees keys
@@ -252,10 +253,11 @@ class MultiHeadAttention(nn.Module):
 
     x: (B, T, C) with C = d_model, batch first. The three input projections are one linear layer, C -> C +
     2 * n_kv_heads * hs (hs = C / n_heads, the tutorials' d_k), its weight laid out as
-    nn.MultiheadAttention's in_proj_weight: q's rows, k's, then v's. n_kv_heads below n_heads: grouped-query
-    attention (1: multi-query), a KV cache n_heads / n_kv_heads times smaller, query head h reading K/V head
-    h // (n_heads // n_kv_heads): consecutive query heads share one, as Llama's repeat_kv (x-transformers
-    cycles instead, h % n_kv_heads: its weights load here only with their query heads reordered).
+    nn.MultiheadAttention's in_proj_weight (with n_kv_heads = n_heads): q's rows, k's, then v's. n_kv_heads
+    below n_heads: grouped-query attention (1: multi-query), a KV cache n_heads / n_kv_heads times smaller,
+    query head h reading K/V head h // (n_heads // n_kv_heads): consecutive query heads share one, as
+    Llama's repeat_kv (x-transformers cycles instead, h % n_kv_heads: its weights load here only with their
+    query heads reordered).
     impl: one of IMPLS, or an attention function (see attention()). rope: an optional RotaryEmbedding for q
     and k of every head; alibi: ALiBi's bias in every head (alibi_slopes, float32 whatever the module's);
     score_mod: FlexAttention's (flex_attention), a function, a module or a module's method: that module's
@@ -357,7 +359,7 @@ class KVCache:
     which the cache keeps, or a mask over the max_len slots for that call alone (with T = max_len tokens, a
     (B, 1, 1, T) bool mask is key padding). A call that raises leaves the cache as it was (its
     length, its positions, and so what any query sees: the keys and values of slots past its length are
-    never read) on a CPU in eager mode; compiled or on CUDA, a device-side assert may stand in."""
+    masked, never seen) on a CPU in eager mode; compiled or on CUDA, a device-side assert may stand in."""
 
     def __init__(self, batch_size, n_kv_heads, max_len, head_size, device=None, dtype=None):
         self.k = torch.zeros(batch_size, n_kv_heads, max_len, head_size, device=device, dtype=dtype)
@@ -396,7 +398,7 @@ class KVCache:
 
     def positions(self, T, attn_mask=None):
         """(B, T): the positions of a call's T tokens, counting the row's real tokens (a padding token gets
-        the position of the real token before it)."""
+        the position of the real token before it, or 0 before the first)."""
         L = self.pos.size(-1)  # a named error, before anything is indexed or written:
         _check_range(self.length + T, 0, L + 1, f"KVCache.length after a call of {T} tokens (max_len={L})")
         real = self._read(attn_mask, T)[0]  # (B or 1, T): the call's real tokens, or None: all
@@ -483,7 +485,7 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     def forward(self, x, positions=None):
         pos = _positions(x.size(1), self.max_len, positions)
-        return self.drop(x + self.pe[pos].to(x.dtype))
+        return self.drop(x + self.pe[pos].to(x.dtype))  # pe[pos]: (T, d_model), or (B, T, d_model)
 
 
 class LearnedPositionalEncoding(nn.Module):
@@ -496,7 +498,7 @@ class LearnedPositionalEncoding(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x, positions=None):
-        return self.drop(x + self.pe.weight[_positions(x.size(1), self.max_len, positions)])
+        return self.drop(x + self.pe.weight[_positions(x.size(1), self.max_len, positions)])  # (T or B, T, d)
 
 
 class RotaryEmbedding(nn.Module):
@@ -621,7 +623,7 @@ class EncoderLayer(nn.Module):
 @dataclass
 class EncoderConfig:
     vocab_size: int = 32  # number of token ids, 0 .. vocab_size - 1
-    max_len: int = 512  # longest sequence the positional encoding accepts, and a KV cache's slots
+    max_len: int = 512  # longest sequence a positional table holds (ALiBi has none), a KV cache's slots
     d_model: int = 128  # width of the residual stream
     n_heads: int = 4  # attention heads; d_model / n_heads is the head size
     n_kv_heads: int | None = None  # K/V heads, a divisor of n_heads (grouped-query attention); None = n_heads
@@ -632,7 +634,7 @@ class EncoderConfig:
     activation: str = "relu"  # "relu" or "gelu"
     impl: str = "flash"  # attention path: "naive", "chunked" or "flash"
     pos_encoding: str = "sinusoidal"  # "sinusoidal", "learned", "rope" or "alibi"
-    chunk_size: int | None = None  # block size of the chunked path; None: default_chunk_size's
+    chunk_size: int | None = None  # blocks of the chunked path (others ignore it); None: default_chunk_size's
     window_size: int | None = None  # local attention: keys within this distance; None = global
     layer_norm_eps: float = 1e-5  # epsilon of every LayerNorm
 
