@@ -326,9 +326,9 @@ def error_of(strategy, q, k, v, is_causal=False, keys=None):
 
 
 def trained_inputs(checkpoint, n, device):
-    """q, k, v (1, H, n, D) of the last layer of a trained TokenClassifier (a minitransformer checkpoint, its
-    sinusoidal table recomputed for n positions), on n random tokens: what a strategy meets in a model, though
-    far past the lengths it was trained on."""
+    """q (1, H, n, D), k, v (1, H_kv, n, D) of the last layer of a trained TokenClassifier (a minitransformer
+    checkpoint, its sinusoidal table recomputed for n positions), on n random tokens: what a strategy meets in a
+    model, though far past the lengths it was trained on."""
     state = mt.load_checkpoint(checkpoint)
     if state["model_config"].get("pos_encoding", "sinusoidal") != "sinusoidal":
         raise ValueError(f"trained_inputs reads q and k before any rotation or bias: a sinusoidal model only, "

@@ -227,10 +227,10 @@ class ShardedEncoder(nn.Module):
         c = encoder.config
         grouped = c.n_kv_heads not in (None, c.n_heads)
         if c.dropout or c.window_size is not None or c.pos_encoding == "alibi" or grouped:
-            raise ValueError(f"the ring has no dropout, no window, no ALiBi and no grouped K/V heads: build the encoder "
-                             f"with dropout=0.0, window_size=None, another pos_encoding and n_kv_heads=None, got "
-                             f"dropout={c.dropout}, window_size={c.window_size}, pos_encoding={c.pos_encoding!r}, "
-                             f"n_kv_heads={c.n_kv_heads}")
+            raise ValueError(f"the ring has no dropout, no window, no ALiBi and no grouped K/V heads: build the "
+                             f"encoder with dropout=0.0, window_size=None, another pos_encoding and "
+                             f"n_kv_heads=None, got dropout={c.dropout}, window_size={c.window_size}, "
+                             f"pos_encoding={c.pos_encoding!r}, n_kv_heads={c.n_kv_heads}")
         if layout not in RING_LAYOUTS:
             raise ValueError(f"layout must be one of {RING_LAYOUTS}, got {layout!r}")
         self.encoder, self.group, self.layout, self.chunk_size = encoder, group, layout, chunk_size
@@ -275,9 +275,9 @@ def _check_ring_args(q, k, v, is_causal, scale, group, layout, chunk_size=None):
     # whatever the error, this rank still takes part in the all-reduce below
     shard, blocks = [0] * 10, None
     try:
-        if q.dim() == k.dim() == 4 and q.size(1) != k.size(1):  # before _attention_args, which offers enable_gqa
-            raise ValueError(f"the ring takes k and v with q's heads (no grouped-query attention): got {q.size(1)} "
-                             f"and {k.size(1)}")
+        heads = [t.size(1) for t in (q, k, v) if torch.is_tensor(t) and t.dim() == 4]
+        if len(set(heads)) > 1:  # said here: _attention_args's message offers enable_gqa, which the ring lacks
+            raise ValueError(f"the ring takes k and v with q's heads (no grouped-query attention): got {heads}")
         q, k, v, *_, scale = mt._attention_args(q, k, v, None, 0.0, False, scale, None)
         blocks = mt._chunks(mt.default_chunk_size(q.device) if chunk_size is None else chunk_size)
         if q.size(-2) != k.size(-2):

@@ -982,9 +982,12 @@ def noise_report(rows):
     """The spread of the repeats: which points were measured twice, and which stayed noisy."""
     ok = [r for r in rows if r["status"] == "ok"]
     if not any(spread(r) is not None for r in ok):
-        return ["", "Spread of the repeats: not recorded in this CSV (written before study.py recorded it)."]
+        once = ok and "ms_min" in ok[0]  # the column is there, empty: one repeat each
+        return ["", "Spread of the repeats: none, every point timed once (--quick, where one repeat took its target "
+                "time)." if once else "Spread of the repeats: not recorded in this CSV (written before study.py did)."]
     twice = [r for r in ok if r.get("noise")]
-    noisy = [f"{r['series']} {r['mode']} n={r['n']} ({spread(r):.2f}x)" for r in twice if r["noise"].startswith("noisy")]
+    noisy = [f"{r['series']} {r['mode']} n={r['n']} ({spread(r):.2f}x)" for r in twice
+             if r["noise"].startswith("noisy")]
     return ["", f"Spread: each point's slowest repeat over its fastest (time: their median). {len(twice)} of {len(ok)} "
             f"points spread wider than {NOISY:g}x and were measured once more, keeping the run that spread less; "
             + (f"{len(noisy)} of them still wider after it, so their times and the ratios from them are noisy: "
@@ -1300,8 +1303,8 @@ def parse_args(argv=None):
     p.add_argument("--report", action="store_true",
                    help="measure nothing: redraw plots and summary.md from <out>/study.csv")
     p.add_argument("--target-seconds", type=_checked(float, lambda x: 0 < x < math.inf, "a positive time"),
-                   help="time spent on repeats per point, up to 20 (default 0.5, 0.2 with --quick; at least 2 "
-                        "timed repeats, 1 with --quick)")
+                   help="time spent on repeats per point, up to 20 repeats (default 0.5, 0.2 with --quick; at "
+                        "least 2 timed repeats, 1 with --quick)")
     args = p.parse_args(argv)
     # is_available() only counts devices (cudaGetDeviceCount, or NVML with PYTORCH_NVML_BASED_CUDA_CHECK=1):
     # it initialises the driver but creates no context and holds no GPU memory. Everything that would
@@ -1361,7 +1364,8 @@ MEASURED = ("dtype", "series", "lengths", "batch", "tokens", "heads", "head_dim"
 def out_dir(args, p, device):
     """--out, else a folder under runs/ (git-ignored) named for the kind of run: results/<device> holds the
     committed reference, and a run that replaced it unasked would pass for new reference data."""
-    custom = any(getattr(args, name) != p.get_default(name) for name in MEASURED)
+    default = {"target_seconds": 0.2 if args.quick else 0.5}  # given as it would be by default: not custom
+    custom = any(getattr(args, name) not in (p.get_default(name), default.get(name)) for name in MEASURED)
     kind = "-compare" if args.compare else "-quick" if args.quick else "-custom" if custom else ""
     return args.out or os.path.join("runs", device.type + kind)
 
@@ -1494,6 +1498,8 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
                     "aside, not overwritten), or give another --out")
     done = {_key(r) for r in read_rows(csv_path) if r["status"] == "ok"} if args.resume else set()
     code = code_version()  # before the CSV is set aside: a committed folder's would make the checkout dirty
+    if done:  # the code of the points kept is not recorded: said, not credited to this run's
+        code += f" (the {len(done)} points kept by --resume: their run's, not recorded)"
     with contextlib.closing(CsvLog(csv_path, args.resume)) as log:
         t0 = time.time()
         N = 2048 if info["device"] == "cpu" else 8192
@@ -1522,13 +1528,14 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
 
 
 def code_version():
-    """The commit of the code that measured (git describe --always --dirty), "unknown" outside a git checkout:
-    a folder of results is what the code of its day measured."""
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        run = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
-        if run.returncode == 0:
-            return run.stdout.strip()
+    """The commit of the code that measured (git describe --always --dirty), "unknown" where study.py is not
+    tracked by the git checkout it sits in: a folder of results is what the code of its day measured."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    git = lambda *args: subprocess.run(["git", *args], capture_output=True, text=True, cwd=here,  # noqa: E731
+                                       timeout=10)
+    with contextlib.suppress(OSError, subprocess.SubprocessError):  # tracked here, not by an outer repository:
+        if git("ls-files", "--error-unmatch", os.path.basename(__file__)).returncode == 0:
+            return git("describe", "--always", "--dirty").stdout.strip() or "unknown"
     return "unknown"
 
 

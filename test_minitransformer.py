@@ -4001,9 +4001,8 @@ def ring_errors_case(rank, world):
             (torch.randn(1, 2, 8, 8), None, rank == 0, -0.0 if rank == 0 else 0.5, None),
             (torch.randn(1, 2, 8, 8), None, False, None, 2.5 if rank == 0 else 4),
             (torch.randn(1, 2, 8, 8), torch.randn(1, 1, 8, 8), False, None, None)):
-        try:
-            ring.ring_attention(q, q if k is None else k, q if k is None else k, is_causal=causal, scale=scale,
-                                chunk_size=blocks)
+        try:  # the last: v alone of fewer heads
+            ring.ring_attention(q, q, q if k is None else k, is_causal=causal, scale=scale, chunk_size=blocks)
         except ValueError as e:
             messages.append(str(e))
     # what the ring does not do is refused on the rank that asks, before any message is sent
@@ -4727,6 +4726,8 @@ def test_resume_skips_measured_points_and_old_results_are_kept(tmp_path):
     study.main(ARGS + ["--out", str(tmp_path), "--resume"], runner=fake_runner(again))
     assert {n for _, _, n in again} == {256}
     assert len(study.read_rows(tmp_path / "study.csv")) == 12
+    # the code named is this run's; the points kept were measured by the run before, whose code is not recorded
+    assert "(the 8 points kept by --resume: their run's, not recorded)" in (tmp_path / "summary.md").read_text()
     for _ in range(2):  # no --resume: the old CSV is set aside, twice within a second too
         fresh = []
         study.main(ARGS + ["--out", str(tmp_path)], runner=fake_runner(fresh))
@@ -5570,6 +5571,13 @@ def test_one_repeat_shows_no_spread_and_a_given_target_holds_under_quick(tmp_pat
         calls.clear()
         study.main(ARGS + ["--quick", "--mode", "fwd", "--out", str(tmp_path / str(target))] + extra, runner=runner)
         assert {t for t in calls if t is not None} == {target}
+    # a sweep of points timed once says so, not that its CSV is too old to hold a spread
+    assert "every point timed once" in (tmp_path / "0.2" / "summary.md").read_text()
+    # the default target given by hand is still the default sweep: its folder is not "-custom"
+    for argv, folder in ((["--target-seconds", "0.5"], "cpu"), (["--target-seconds", "0.4"], "cpu-custom"),
+                         (["--quick", "--target-seconds", "0.2"], "cpu-quick")):
+        args, p = study.parse_args(["--device", "cpu"] + argv)
+        assert study.out_dir(args, p, torch.device("cpu")) == os.path.join("runs", folder)
 
 
 SDPA = F.scaled_dot_product_attention  # the real one, for tests that replace it
