@@ -4,8 +4,8 @@ minitransformer: a Transformer encoder in one file, read top-down like a short p
 1. The core, between "core begins" and "core ends": standard attention and FlashAttention-2's
    blockwise attention, forward and backward, in their plainest correct form, with only math and torch.
 2. The model: multi-head attention, positional encodings, the encoder layer, the config and the
-   encoder; then training on a task that needs attention (mixed precision, checkpoints, DDP), and
-   the command line.
+   encoder, and a decoder's KV cache; then training on a task that needs attention (mixed precision,
+   checkpoints, DDP), and the command line.
 3. The appendix: the hardened paths that the model's attention runs through (attention(), impl=), each
    tested equal to the core: the same maths with everything real use asks for (masks, windows, packed
    documents, ALiBi, a user's FlexAttention mods, dropout, 16-bit dtypes, torch.compile). naive: the
@@ -199,9 +199,9 @@ def _blocks(L, size):
 
 
 # -----------------------------------------------------------------------------
-# The model: multi-head attention, positional encodings, the encoder layer, the config and the encoder. Its
-# attention goes through attention(), a path of the appendix (impl=) or a function of yours; it also uses the
-# appendix's documents, Visibility, naive_attention and the checks.
+# The model: multi-head attention, positional encodings, the encoder layer, the config and the encoder, then
+# a decoder's KV cache. Its attention goes through attention(), a path of the appendix (impl=) or a function
+# of yours; it also uses the appendix's documents, Visibility, naive_attention and the checks.
 
 IMPLS = ("naive", "chunked", "flash")
 POS_ENCODINGS = ("sinusoidal", "learned", "rope", "alibi")
@@ -344,123 +344,6 @@ class MultiHeadAttention(nn.Module):
         return new.train(m.training)  # the mode too: dropout acts in training only
 
 
-class KVCache:
-    """A KV cache: a causal decoder's keys and values of the tokens so far, for one MultiHeadAttention, so
-    that each new token computes only its own q, k, v. Made once, whole, so that a compiled step has one
-    shape, one graph and no host read (no .item(): a GPU never waits for the host):
-        k, v    (B, n_kv_heads, max_len, hs): a slot per token;
-        length  a 0-d long tensor: the slots written in every row;
-        pos     (B, max_len): the position of each slot's token, counted over its row's real tokens (Hugging
-                Face's cumsum(mask) - 1); a slot that holds no token (padding, a dropped token, a slot not yet
-                written) has position max_len, after any query's, so causality hides it (a row padded on the
-                left, real [False, False, True, True]: pos [max_len, max_len, 0, 1]);
-        tokens  (B, 1): each row's real tokens so far.
-    attn_mask, of a MultiHeadAttention call that uses the cache: the call's key padding, (B, 1, 1, T) bool,
-    which the cache keeps, or a mask over the max_len slots for that call alone (with T = max_len tokens, a
-    (B, 1, 1, T) bool mask is key padding). A call that raises leaves the cache as it was (its
-    length, its positions, and so what any query sees: the keys and values of slots past its length are
-    masked, never seen) on a CPU in eager mode; compiled or on CUDA, a device-side assert may stand in."""
-
-    def __init__(self, batch_size, n_kv_heads, max_len, head_size, device=None, dtype=None):
-        self.k = torch.zeros(batch_size, n_kv_heads, max_len, head_size, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
-        self.length = torch.zeros((), dtype=torch.long, device=device)
-        self.pos = torch.full((batch_size, max_len), max_len, dtype=torch.long, device=device)
-        self.tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # each row's real tokens
-        self.saved = None  # what an ongoing call restores if it raises (_all_or_nothing)
-
-    def reset(self):
-        self.length.zero_()  # what the slots hold stays, hidden until written again
-        self.pos.fill_(self.pos.size(-1))
-        self.tokens.zero_()
-
-    def rollback(self, n):
-        """Drop the last n slots, each row's next position going back by its real tokens among them; or, n a
-        (B,) integer tensor, each row b its own last n[b] tokens, which become padding. Batched speculative
-        decoding: a small model drafts a few tokens per row, one call of the model checks them all, and each
-        row keeps the drafts it accepted; the next call's tokens continue each row's positions."""
-        L, (B, _) = self.pos.size(-1), self.pos.shape
-        if torch.is_tensor(n) and n.shape == (B,) and not (n.is_floating_point() or n.dtype == torch.bool):
-            n = n[:, None].to(self.tokens.device)  # (B, 1)
-            _check_range(n, 0, math.inf, "rollback's n[b], the tokens each row drops,")
-            kept = self.tokens - n  # row b keeps positions < kept
-            _check_range(kept, 0, math.inf, "each row's tokens less the n[b] to drop")
-            self.pos.masked_fill_(self.pos >= kept, L)
-            self.tokens.copy_(kept)
-            return
-        if not (type(n) is int and n >= 0):
-            raise ValueError(f"rollback(n) drops n slots, a non-negative int, or each row its own, a ({B},) "
-                             f"integer tensor: got {n!r}")
-        _check_range(self.length - n, 0, math.inf, f"the slots written less the {n} to drop")
-        self.length.sub_(n)
-        self.pos.masked_fill_(torch.arange(L, device=self.pos.device) >= self.length, L)  # (B, max_len)
-        self.tokens.copy_((self.pos < L).sum(-1, keepdim=True))
-
-    def positions(self, T, attn_mask=None):
-        """(B, T): the positions of a call's T tokens, counting the row's real tokens (a padding token gets
-        the position of the real token before it, or 0 before the first)."""
-        L = self.pos.size(-1)  # a named error, before anything is indexed or written:
-        _check_range(self.length + T, 0, L + 1, f"KVCache.length after a call of {T} tokens (max_len={L})")
-        real = self._read(attn_mask, T)[0]  # (B or 1, T): the call's real tokens, or None: all
-        if real is None:
-            return self.tokens + torch.arange(T, device=self.pos.device)
-        return (self.tokens + real.cumsum(-1) - 1).clamp(min=0)
-
-    def update(self, k, v, positions, attn_mask=None, window_size=None, alibi_slopes=None):
-        """Write k, v (B, n_kv_heads, T, hs) into the next T slots; return all of k and v (every one of the
-        max_len slots: one shape for every step) and the mask through which queries at `positions` (B, T) see
-        them: bool, key j seen where pos_j <= the query's position (and within the window), or with ALiBi's
-        slopes ((1, H, 1, 1)) a float bias, -inf where hidden."""
-        if any(t.shape[:2] != self.k.shape[:2] or t.dtype != self.k.dtype for t in (k, v)):
-            raise ValueError(f"a cache of {tuple(self.k.shape)} {self.k.dtype} takes its (B, H_kv) and "
-                             f"dtype: got k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype}")
-        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):  # its graph would grow each step
-            raise ValueError("a KV cache serves inference: decode under torch.no_grad() (or inference_mode)")
-        T, (real, over_slots) = k.size(-2), self._read(attn_mask, k.size(-2))
-        slots, L = self.length + torch.arange(T, device=k.device), self.pos.size(-1)  # (T,): the next T
-        self.k.index_copy_(2, slots, k)
-        self.v.index_copy_(2, slots, v)
-        pos = positions if real is None else positions.masked_fill(~real, L)  # padding: after every query
-        self.pos.index_copy_(1, slots, pos)
-        self.length.add_(T)
-        self.tokens.add_(T if real is None else real.sum(-1, keepdim=True))
-        rules = named_rules(is_causal=True, window_size=window_size, alibi_slopes=alibi_slopes)
-        at = positions.view(-1, 1, T, 1), self.pos.view(-1, 1, 1, L)  # (B, 1, T, 1), (B, 1, 1, L)
-        mask = Visibility(rules, positions=at, attn_mask=over_slots).dense(T, L, k.device)  # to (B, H, T, L)
-        return self.k, self.v, mask
-
-    def _read(self, attn_mask, T):
-        """attn_mask read (see the class): the call's real tokens, (B or 1, T) bool; a mask over the slots."""
-        (B, L), shape = self.pos.shape, tuple(getattr(attn_mask, "shape", ()))
-        if shape[1:] == (1, 1, T) and shape[0] in (1, B) and attn_mask.dtype == torch.bool:
-            return attn_mask[:, 0, 0], None
-        if attn_mask is not None and (len(shape) != 4 or shape[-1] != L):
-            raise ValueError(f"with a KV cache, attn_mask is a call's key padding, bool ({B}, 1, 1, {T}), or "
-                             f"a mask over its max_len={L} slots, (.., {L}); got {attn_mask.dtype} {shape}")
-        return None, attn_mask
-
-
-@contextlib.contextmanager
-def _all_or_nothing(caches):
-    """If the with-block raises, every KVCache of caches (None: none) is left as it was: its length and
-    positions (a call writes slots past its length only, never read once the length is back); saved once, by
-    the outermost block (the Encoder's, then not each layer's). Not under torch.compile."""
-    caches = [] if torch.compiler.is_compiling() else [c for c in caches if c is not None and c.saved is None]
-    for c in caches:
-        c.saved = c.length.clone()
-    try:
-        yield
-    except BaseException:
-        for c in caches:  # back to its length: the slots past it hold no token (a call writes only those)
-            c.length.copy_(c.saved)
-            c.pos.masked_fill_(torch.arange(c.pos.size(-1), device=c.pos.device) >= c.length, c.pos.size(-1))
-            c.tokens.copy_((c.pos < c.pos.size(-1)).sum(-1, keepdim=True))
-        raise
-    finally:
-        for c in caches:
-            c.saved = None
-
-
 # -----------------------------------------------------------------------------
 # Positional encodings. Each takes `positions`, the (T,) positions of x's rows (default 0 .. T-1): a shard of
 # a longer sequence (ring_attention.py) sits at its own positions; or (B, T), each row's own (a KVCache's).
@@ -516,18 +399,19 @@ class RotaryEmbedding(nn.Module):
         self.max_len = max_len
         inv_freq = base ** (-torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)  # (hs/2,)
         angle = torch.arange(max_len, dtype=torch.float64)[:, None] * inv_freq  # (max_len, hs/2)
-        # (max_len, hs) each: pair i and i + hs/2 share an angle; the sine is -sin for x1, +sin for x2, so
-        # that the rotation is x * cos + (x2, x1) * sin
+        # (max_len, hs) each: pair i and i + hs/2 share an angle; the signed sine is -sin for x1, +sin for x2,
+        # so that the rotation is x * cos + (x2, x1) * signed_sin
         self.register_buffer("cos", torch.cat([angle.cos(), angle.cos()], -1).float(), persistent=False)
-        self.register_buffer("sin", torch.cat([-angle.sin(), angle.sin()], -1).float(), persistent=False)
+        signed_sin = torch.cat([-angle.sin(), angle.sin()], -1)
+        self.register_buffer("signed_sin", signed_sin.float(), persistent=False)
 
     def forward(self, x, positions=None):
         """(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), x1 and x2 the halves of every head's features."""
         pos = _positions(x.size(-2), self.max_len, positions)
-        cos, sin = self.cos[pos].unsqueeze(-3), self.sin[pos].unsqueeze(-3)  # (1, T, hs) or (B, 1, T, hs)
+        cos, sin = self.cos[pos].unsqueeze(-3), self.signed_sin[pos].unsqueeze(-3)  # (1 or B, 1, T, hs)
         x1, x2 = x.chunk(2, dim=-1)
         swapped = torch.cat([x2, x1], dim=-1)  # (B, heads, T, hs)
-        return (x * cos.to(x.dtype)).addcmul_(swapped, sin.to(x.dtype))  # the sum made in x * cos
+        return (x * cos.to(x.dtype)).addcmul_(swapped, sin.to(x.dtype))  # x * cos + swapped * sin, in place
 
 
 def alibi_slopes(n_heads, device=None):
@@ -751,6 +635,127 @@ class TokenClassifier(nn.Module):
 
     def forward(self, idx, attn_mask=None, cu_seqlens=None):
         return self.head(self.encoder(idx, attn_mask, cu_seqlens=cu_seqlens))
+
+
+# -----------------------------------------------------------------------------
+# Decoding: a KV cache, which MultiHeadAttention fills and reads (cache=) and Encoder.kv_caches makes
+
+
+class KVCache:
+    """A KV cache: a causal decoder's keys and values of the tokens so far, for one MultiHeadAttention, so
+    that each new token computes only its own q, k, v. Made once, whole, so that a compiled step has one
+    shape, one graph and no host read (no .item(): a GPU never waits for the host):
+        k, v    (B, n_kv_heads, max_len, hs): a slot per token;
+        length  a 0-d long tensor: the slots written in every row;
+        pos     (B, max_len): the position of each slot's token, counted over its row's real tokens (Hugging
+                Face's cumsum(mask) - 1); a slot that holds no token (padding, a dropped token, a slot not yet
+                written) has position max_len, after any query's, so causality hides it (a row padded on the
+                left, real [False, False, True, True]: pos [max_len, max_len, 0, 1]);
+        tokens  (B, 1): each row's real tokens so far.
+    attn_mask, of a MultiHeadAttention call that uses the cache: the call's key padding, (B, 1, 1, T) bool,
+    which the cache keeps, or a mask over the max_len slots for that call alone (with T = max_len tokens, a
+    (B, 1, 1, T) bool mask is key padding). A call that raises leaves the cache as it was (its
+    length, its positions, and so what any query sees: the keys and values of slots past its length are
+    masked, never seen) on a CPU in eager mode; compiled or on CUDA, a device-side assert may stand in."""
+
+    def __init__(self, batch_size, n_kv_heads, max_len, head_size, device=None, dtype=None):
+        self.k = torch.zeros(batch_size, n_kv_heads, max_len, head_size, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.length = torch.zeros((), dtype=torch.long, device=device)
+        self.pos = torch.full((batch_size, max_len), max_len, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # each row's real tokens
+        self.saved = None  # what an ongoing call restores if it raises (_all_or_nothing)
+
+    def reset(self):
+        self.length.zero_()  # what the slots hold stays, hidden until written again
+        self.pos.fill_(self.pos.size(-1))
+        self.tokens.zero_()
+
+    def rollback(self, n):
+        """Drop the last n slots, each row's next position going back by its real tokens among them; or, n a
+        (B,) integer tensor, each row b its own last n[b] tokens, which become padding. Batched speculative
+        decoding: a small model drafts a few tokens per row, one call of the model checks them all, and each
+        row keeps the drafts it accepted; the next call's tokens continue each row's positions."""
+        L, (B, _) = self.pos.size(-1), self.pos.shape
+        if torch.is_tensor(n) and n.shape == (B,) and not (n.is_floating_point() or n.dtype == torch.bool):
+            n = n[:, None].to(self.tokens.device)  # (B, 1)
+            _check_range(n, 0, math.inf, "rollback's n[b], the tokens each row drops,")
+            kept = self.tokens - n  # row b keeps positions < kept
+            _check_range(kept, 0, math.inf, "each row's tokens less the n[b] to drop")
+            self.pos.masked_fill_(self.pos >= kept, L)
+            self.tokens.copy_(kept)
+            return
+        if not (type(n) is int and n >= 0):
+            raise ValueError(f"rollback(n) drops n slots, a non-negative int, or each row its own, a ({B},) "
+                             f"integer tensor: got {n!r}")
+        _check_range(self.length - n, 0, math.inf, f"the slots written less the {n} to drop")
+        self.length.sub_(n)
+        self.pos.masked_fill_(torch.arange(L, device=self.pos.device) >= self.length, L)  # (B, max_len)
+        self.tokens.copy_((self.pos < L).sum(-1, keepdim=True))
+
+    def positions(self, T, attn_mask=None):
+        """(B, T): the positions of a call's T tokens, counting the row's real tokens (a padding token gets
+        the position of the real token before it, or 0 before the first)."""
+        L = self.pos.size(-1)  # a named error, before anything is indexed or written:
+        _check_range(self.length + T, 0, L + 1, f"KVCache.length after a call of {T} tokens (max_len={L})")
+        real = self._read(attn_mask, T)[0]  # (B or 1, T): the call's real tokens, or None: all
+        if real is None:
+            return self.tokens + torch.arange(T, device=self.pos.device)
+        return (self.tokens + real.cumsum(-1) - 1).clamp(min=0)
+
+    def update(self, k, v, positions, attn_mask=None, window_size=None, alibi_slopes=None):
+        """Write k, v (B, n_kv_heads, T, hs) into the next T slots; return all of k and v (every one of the
+        max_len slots: one shape for every step) and the mask through which queries at `positions` (B, T) see
+        them: bool, key j seen where pos_j <= the query's position (and within the window), or with ALiBi's
+        slopes ((1, H, 1, 1)) a float bias, -inf where hidden."""
+        if any(t.shape[:2] != self.k.shape[:2] or t.dtype != self.k.dtype for t in (k, v)):
+            raise ValueError(f"a cache of {tuple(self.k.shape)} {self.k.dtype} takes its (B, H_kv) and "
+                             f"dtype: got k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype}")
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):  # its graph would grow each step
+            raise ValueError("a KV cache serves inference: decode under torch.no_grad() (or inference_mode)")
+        T, (real, over_slots) = k.size(-2), self._read(attn_mask, k.size(-2))
+        slots, L = self.length + torch.arange(T, device=k.device), self.pos.size(-1)  # (T,): the next T
+        self.k.index_copy_(2, slots, k)
+        self.v.index_copy_(2, slots, v)
+        pos = positions if real is None else positions.masked_fill(~real, L)  # padding: after every query
+        self.pos.index_copy_(1, slots, pos)
+        self.length.add_(T)
+        self.tokens.add_(T if real is None else real.sum(-1, keepdim=True))
+        rules = named_rules(is_causal=True, window_size=window_size, alibi_slopes=alibi_slopes)
+        at = positions.view(-1, 1, T, 1), self.pos.view(-1, 1, 1, L)  # (B, 1, T, 1), (B, 1, 1, L)
+        mask = Visibility(rules, positions=at, attn_mask=over_slots).dense(T, L, k.device)  # to (B, H, T, L)
+        return self.k, self.v, mask
+
+    def _read(self, attn_mask, T):
+        """attn_mask read (see the class): the call's real tokens, (B or 1, T) bool; a mask over the slots."""
+        (B, L), shape = self.pos.shape, tuple(getattr(attn_mask, "shape", ()))
+        if shape[1:] == (1, 1, T) and shape[0] in (1, B) and attn_mask.dtype == torch.bool:
+            return attn_mask[:, 0, 0], None
+        if attn_mask is not None and (len(shape) != 4 or shape[-1] != L):
+            raise ValueError(f"with a KV cache, attn_mask is a call's key padding, bool ({B}, 1, 1, {T}), or "
+                             f"a mask over its max_len={L} slots, (.., {L}); got {attn_mask.dtype} {shape}")
+        return None, attn_mask
+
+
+@contextlib.contextmanager
+def _all_or_nothing(caches):
+    """If the with-block raises, every KVCache of caches (None: none) is left as it was: its length and
+    positions (a call writes slots past its length only, never read once the length is back); saved once, by
+    the outermost block (the Encoder's, then not each layer's). Not under torch.compile."""
+    caches = [] if torch.compiler.is_compiling() else [c for c in caches if c is not None and c.saved is None]
+    for c in caches:
+        c.saved = c.length.clone()
+    try:
+        yield
+    except BaseException:
+        for c in caches:  # back to its length: the slots past it hold no token (a call writes only those)
+            c.length.copy_(c.saved)
+            c.pos.masked_fill_(torch.arange(c.pos.size(-1), device=c.pos.device) >= c.length, c.pos.size(-1))
+            c.tokens.copy_((c.pos < c.pos.size(-1)).sum(-1, keepdim=True))
+        raise
+    finally:
+        for c in caches:
+            c.saved = None
 
 
 # -----------------------------------------------------------------------------
@@ -1692,14 +1697,20 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
         dk[:, :, cols] += _matmul(ds_low.transpose(-2, -1), q_i)
 
 
-def chunked_backward(dout, q, k, v, out, m, log2_l, dq, dk, dv, dmask, opts, cq):
-    """The backward: every block of cq query rows adds its share (attend_block_backward) into dq, dk,
-    dv (zeros, float32, shaped as q, k, v) and into dmask (a float mask's gradient, float32, shaped as
-    the mask) unless None; then the scale and 1 / (1 - p). Returns dq, dk, dv in the inputs' dtype."""
+def chunked_backward(dout, q, k, v, out, m, log2_l, opts, cq, mask_grad=False):
+    """The backward: every block of cq query rows adds its share (attend_block_backward) into dq, dk, dv
+    (float32 zeros laid out as q, k, v) and, with mask_grad, into the gradient of the float attn_mask (opts);
+    then the scale and 1 / (1 - p). Returns dq, dk, dv in the inputs' dtype and the mask's gradient in its
+    own (None without mask_grad)."""
+    dq, dk, dv = (torch.zeros_like(t, dtype=m.dtype) for t in (q, k, v))  # as q, k, v are (register_fake)
+    mask = opts.vis.attn_mask
+    dmask = torch.zeros_like(mask, dtype=m.dtype) if mask_grad else None
+    dout, q, k, v = (t.contiguous() for t in (dout, q, k, v))  # every block a view, never a copy
     for rows in _blocks(q.size(-2), cq):
         attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask, opts)
     dv.mul_(1.0 / (1.0 - opts.dropout_p))
-    return dq.mul_(opts.scale).to(q.dtype), dk.mul_(opts.scale).to(k.dtype), dv.to(v.dtype)
+    return (dq.mul_(opts.scale).to(q.dtype), dk.mul_(opts.scale).to(k.dtype), dv.to(v.dtype),
+            None if dmask is None else dmask.to(mask.dtype))
 
 
 def default_chunk_size(device, Lq=None, dtype=torch.float32):
@@ -1935,14 +1946,11 @@ def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """chunked_backward as an operator: dq, dk, dv, and a float attn_mask's gradient when mask_grad
     (else an empty tensor)."""
-    grads = [torch.zeros_like(t, dtype=m.dtype) for t in (q, k, v)]  # laid out as q, k, v (register_fake)
-    dmask = torch.zeros_like(attn_mask, dtype=m.dtype) if mask_grad else None
-    dout, q, k, v = dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous()
     opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens,
                          alibi_slopes, shift)
     opts.dlse = dlse
-    dq, dk, dv = chunked_backward(dout, q, k, v, out, m, log2_l, *grads, dmask, opts, cq)
-    return dq, dk, dv, dmask.to(attn_mask.dtype) if mask_grad else q.new_empty(0)
+    dq, dk, dv, dmask = chunked_backward(dout, q, k, v, out, m, log2_l, opts, cq, mask_grad)
+    return dq, dk, dv, q.new_empty(0) if dmask is None else dmask
 
 
 @_chunked_fwd.register_fake
@@ -1997,21 +2005,17 @@ class _ModdedAttention(torch.autograd.Function):
     def backward(ctx, dout, _dm, dlog2_l):
         if torch.is_grad_enabled():  # create_graph=True: this backward has no backward of its own
             raise RuntimeError("flex_attention's backward cannot be differentiated (create_graph=True)")
-        q, k, v, out, m, log2_l, mask, *inputs = ctx.saved_tensors
+        q, k, v, out, m, log2_l, _, *inputs = ctx.saved_tensors  # the mask: the same as opts.vis's
         # score_mod reads stand-ins of the tensors that need a gradient: theirs adds up over the blocks
         wants = ctx.needs_input_grad[6:]
         standins = [t.detach().requires_grad_() if want else t for t, want in zip(inputs, wants)]
         vis = replace(ctx.opts.vis, score_inputs=tuple(standins[:len(ctx.opts.vis.score_inputs)]))
         dlse = None if dlog2_l is None else dlog2_l / LN2  # lse = (m + log2(l)) ln 2
         opts = replace(ctx.opts, vis=vis, dlse=dlse)
-        dmask = torch.zeros_like(mask, dtype=m.dtype) if ctx.needs_input_grad[3] else None
         dout = torch.zeros_like(out) if dout is None else dout  # a loss of lse alone
         with _no_autocast(q):
-            zeros = (torch.zeros_like(t, dtype=m.dtype) for t in (q, k, v))  # dq, dk, dv to add into
-            grads = chunked_backward(dout.contiguous(), *(t.contiguous() for t in (q, k, v)), out, m, log2_l,
-                                     *zeros, dmask, opts, ctx.cq)
-        return (*grads, None if dmask is None else dmask.to(mask.dtype), None, None,
-                *[t.grad if want else None for t, want in zip(standins, wants)])
+            grads = chunked_backward(dout, q, k, v, out, m, log2_l, opts, ctx.cq, ctx.needs_input_grad[3])
+        return (*grads, None, None, *[t.grad if want else None for t, want in zip(standins, wants)])
 
 
 class _Mod:
