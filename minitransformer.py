@@ -740,7 +740,7 @@ class KVCache:
 @contextlib.contextmanager
 def _all_or_nothing(caches):
     """If the with-block raises, every KVCache of caches (None: none) is left as it was: its length and
-    positions (a call writes slots past its length only, never read once the length is back); saved once, by
+    positions (a call writes slots past its length only, masked once the length is back); saved once, by
     the outermost block (the Encoder's, then not each layer's). Not under torch.compile."""
     caches = [] if torch.compiler.is_compiling() else [c for c in caches if c is not None and c.saved is None]
     for c in caches:
