@@ -1207,6 +1207,10 @@ def _train(cfg, device, rank, world, say):
                                           "train_config": asdict(cfg), "world_size": world})
         t_log += time.time() - t_pause
     seconds = time.time() - t_start
+    if skipped.item() == last - start:  # fp16's scaler skipped every step: the weights are the first ones
+        raise FloatingPointError(f"every one of the {last - start} steps was skipped by fp16's gradient "
+                                 "scaler (inf or NaN gradients): nothing was trained (lower --lr, or use "
+                                 "--amp bf16)")
     result = {"step": last, "loss": loss_value, "skipped_steps": skipped.item(), "seconds": seconds,
               "steps_to_99": reached and reached[0], "seconds_to_99": reached and reached[1]}
     if rank == 0:

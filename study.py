@@ -1313,6 +1313,8 @@ def parse_args(argv=None):
         p.error("--device cuda: no CUDA device is available here")
     if args.tokens and args.batch:
         p.error("--tokens sets B = tokens // n at each length: not with --batch")
+    if args.compare and args.quick:  # --quick's lengths and repeats are the sweep's
+        p.error("--quick is the sweep's smoke run: --compare takes --rounds (default 10) and --lengths instead")
     return args, p
 
 

@@ -4740,7 +4740,7 @@ def test_resume_skips_measured_points_and_old_results_are_kept(tmp_path):
                                   ["--chunk-size", "0"], ["--chunk-size", "64x"],
                                   ["--series", "nope"], ["--dtype", "float8"], ["--target-seconds", "0"],
                                   ["--mem-budget", "0"], ["--mem-budget", "-2"], ["--mem-budget", "nan"],
-                                  ["--mem-budget", "4GB"], ["--target-seconds", "nan"],
+                                  ["--mem-budget", "4GB"], ["--target-seconds", "nan"], ["--compare", "--quick"],
                                   ["--tokens", "512", "--batch", "4"], ["--series", "naive,naive"],
                                   ["--series", "ring2", "--lengths", "301"]])
 def test_bad_study_options_are_argparse_errors(argv, capsys):
@@ -5301,6 +5301,18 @@ def test_a_device_this_machine_lacks_is_named_before_training(device):
         pytest.skip(f"this machine has {device}")
     with pytest.raises(ValueError, match=rf"--device {device} is not available here: \S"):
         mt.train(mt.TrainConfig(**{**SMALL, "steps": 1, "device": device}), log=quiet)
+
+
+def test_a_run_whose_every_step_the_scaler_skipped_fails(monkeypatch):
+    # fp16: a run in which the gradient scaler skipped every step trained nothing, and says so (it returned rc 0)
+    real = mt.optimizer_step
+
+    def never(loss, model, optimizer, scaler, clip):  # as if every step's gradients held inf
+        norm, _ = real(loss, model, optimizer, scaler, clip)
+        return norm, torch.zeros((), dtype=torch.bool)
+    monkeypatch.setattr(mt, "optimizer_step", never)
+    with pytest.raises(FloatingPointError, match="every one of the 3 steps was skipped by fp16's gradient scaler"):
+        mt.train(mt.TrainConfig(**{**SMALL, "steps": 3, "amp": "fp16", "heatmap": None}), log=quiet)
 
 
 def test_resume_with_another_number_of_processes_is_a_clear_error(tmp_path):
