@@ -1257,6 +1257,7 @@ _chunk_size = _checked(_block_sizes, lambda sizes: len(sizes) == 2 and min(sizes
                        "a block size like 256 or 256x512 (queries x keys)")
 _gib = _checked(float, lambda x: 0 < x < math.inf, "a positive size in GiB")
 CPU_BUDGET_GIB = 1.0  # naive's wall falls inside the default CPU sweep, at n = 4096 (CPU_DEFAULT_CAPS)
+TARGET_SECONDS = {False: 0.5, True: 0.2}  # --target-seconds's default, by --quick
 
 
 def parse_args(argv=None):
@@ -1303,8 +1304,8 @@ def parse_args(argv=None):
     p.add_argument("--report", action="store_true",
                    help="measure nothing: redraw plots and summary.md from <out>/study.csv")
     p.add_argument("--target-seconds", type=_checked(float, lambda x: 0 < x < math.inf, "a positive time"),
-                   help="time spent on repeats per point, up to 20 repeats (default 0.5, 0.2 with --quick; at "
-                        "least 2 timed repeats, 1 with --quick)")
+                   help=f"time spent on repeats per point, up to 20 repeats (default {TARGET_SECONDS[False]:g}, "
+                        f"{TARGET_SECONDS[True]:g} with --quick; at least 2 timed repeats, 1 with --quick)")
     args = p.parse_args(argv)
     # is_available() only counts devices (cudaGetDeviceCount, or NVML with PYTORCH_NVML_BASED_CUDA_CHECK=1):
     # it initialises the driver but creates no context and holds no GPU memory. Everything that would
@@ -1366,7 +1367,7 @@ MEASURED = ("dtype", "series", "lengths", "batch", "tokens", "heads", "head_dim"
 def out_dir(args, p, device):
     """--out, else a folder under runs/ (git-ignored) named for the kind of run: results/<device> holds the
     committed reference, and a run that replaced it unasked would pass for new reference data."""
-    default = {"target_seconds": 0.2 if args.quick else 0.5}  # given as it would be by default: not custom
+    default = {"target_seconds": TARGET_SECONDS[args.quick]}  # given as it would be by default: not custom
     custom = any(getattr(args, name) not in (p.get_default(name), default.get(name)) for name in MEASURED)
     kind = "-compare" if args.compare else "-quick" if args.quick else "-custom" if custom else ""
     return args.out or os.path.join("runs", device.type + kind)
@@ -1514,7 +1515,7 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
             mt.train(mt.TrainConfig(out=trained, heatmap=None, device="cpu"), log=lambda *a: None)
         todo = points(args, info["label"], dtype, lengths, series, batch, modes, matmul_tflops=f"{ceiling:.4f}",
                       trained=trained, mem_budget_gib=f"{budget_gib:.3f}", min_repeats=1 if args.quick else 2,
-                      target_s=args.target_seconds or (0.2 if args.quick else 0.5))
+                      target_s=args.target_seconds or TARGET_SECONDS[args.quick])
         print(f"study: {title}; {len(todo)} points -> {csv_path}")
         print(f"matmul ceiling: {ceiling:.3f} TFLOP/s ({dtype}, measured now)" + f"\n{slow}" * bool(slow))
         sweep(todo, lambda pt: runner({**pt, "device": info["device"]}), log, done, ceiling,
