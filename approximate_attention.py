@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import minitransformer as mt
+import train
 
 
 def strided_attention(q, k, v, stride, is_causal=False, keys=None):
@@ -329,7 +330,7 @@ def trained_inputs(checkpoint, n, device):
     """q (1, H, n, D), k, v (1, H_kv, n, D) of the last layer of a trained TokenClassifier (a minitransformer
     checkpoint, its sinusoidal table recomputed for n positions), on n random tokens: what a strategy meets in a
     model, though far past the lengths it was trained on."""
-    state = mt.load_checkpoint(checkpoint)
+    state = train.load_checkpoint(checkpoint)
     if state["model_config"].get("pos_encoding", "sinusoidal") != "sinusoidal":
         raise ValueError(f"trained_inputs reads q and k before any rotation or bias: a sinusoidal model only, "
                          f"got pos_encoding={state['model_config']['pos_encoding']!r}")

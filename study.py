@@ -40,6 +40,7 @@ import approximate_attention as approx
 import cost_model
 import minitransformer as mt
 import ring_attention
+import train
 from cost_model import (BAND, CHECKED_MIB, MIB, SDPA_SERIES, attention_pairs, computed_flops, computed_pairs,
                         input_bytes, packed_offsets, predicted_mib)
 
@@ -1512,7 +1513,7 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
         slow = slow and f"For the ceiling {slow}: a kernel computing in float32 inside exceeds it (pct_matmul > 100)."
         trained = os.path.join(out, "reversal.pt") if any(s.path in approx.STRATEGIES for s in series) else None
         if trained:  # the approximate series' error on a trained layer: one encoder, trained here on the CPU
-            mt.train(mt.TrainConfig(out=trained, heatmap=None, device="cpu"), log=lambda *a: None)
+            train.train(train.TrainConfig(out=trained, heatmap=None, device="cpu"), log=lambda *a: None)
         todo = points(args, info["label"], dtype, lengths, series, batch, modes, matmul_tflops=f"{ceiling:.4f}",
                       trained=trained, mem_budget_gib=f"{budget_gib:.3f}", min_repeats=1 if args.quick else 2,
                       target_s=args.target_seconds or TARGET_SECONDS[args.quick])

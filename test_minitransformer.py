@@ -92,6 +92,7 @@ import cost_model
 import minitransformer as mt
 import ring_attention as ring
 import study
+import train
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -3915,7 +3916,7 @@ def test_training_steps_read_nothing_on_the_host_between_logs(amp):
     # the fused AdamW's CPU kernel reads its host-side step counts (aten::item inside _fused_adamw_);
     # on a GPU those counts are device tensors read by the kernel itself, so they are not counted
     cfg = {**SMALL, "amp": amp, "log_every": 1000, "eval_every": 1000, "eval_size": 8}
-    count = lambda steps: len(host_reads(lambda: mt.train(mt.TrainConfig(**{**cfg, "steps": steps}), log=quiet),
+    count = lambda steps: len(host_reads(lambda: train.train(train.TrainConfig(**{**cfg, "steps": steps}), log=quiet),
                                          ignore_under={"aten::_fused_adamw_"}))
     assert count(4) == count(1)  # three more steps that neither log nor evaluate: no host read at all
 
@@ -4261,29 +4262,29 @@ def test_cuda_encoder_and_a_training_step_never_make_the_host_wait(amp, pack):
     # torch.cuda.set_sync_debug_mode("error") raises on any operation that synchronises with the host (an
     # .item(), a pageable copy, a data-dependent shape): the encoder forward+backward of every path, and the
     # pieces of a training step that does not log (a batch made on the device, autocast, the optimizer step)
-    cfg = mt.TrainConfig(**SMALL)
+    cfg = train.TrainConfig(**SMALL)
     dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
     for impl in mt.IMPLS:
         torch.manual_seed(0)
-        model = mt.TokenClassifier(mt.TrainConfig(**{**SMALL, "impl": impl}).model_config()).cuda()
-        optimizer = mt.make_optimizer(model, 1e-3, 0.01)
+        model = mt.TokenClassifier(train.TrainConfig(**{**SMALL, "impl": impl}).model_config()).cuda()
+        optimizer = train.make_optimizer(model, 1e-3, 0.01)
         scaler = torch.amp.GradScaler("cuda", enabled=amp == "fp16")
 
         def step(i):  # packed: cu_seqlens drawn on the host, documents' ids and positions copied pinned
             gen = torch.Generator("cuda").manual_seed(i)
             if pack:
-                x, y, cu = mt.packed_reverse_batch(320, 3, 10, cfg.vocab_size, gen, torch.Generator().manual_seed(i))
+                x, y, cu = train.packed_reverse_batch(320, 3, 10, cfg.vocab_size, gen, torch.Generator().manual_seed(i))
                 mask = None
             else:  # a bool padding mask, and on odd steps the same as a Hugging Face float mask
-                x, y, lengths = mt.reverse_batch(32, 3, 10, cfg.vocab_size, gen)
+                x, y, lengths = train.reverse_batch(32, 3, 10, cfg.vocab_size, gen)
                 mask, cu = mt.padding_mask(lengths, x.size(1)), None
                 if i % 2:
                     mask = torch.zeros(mask.shape, device="cuda").masked_fill(~mask, torch.finfo(torch.float32).min)
             with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
                 logits = model(x, mask, cu)
-                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1), ignore_index=mt.PAD,
+                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1), ignore_index=train.PAD,
                                        label_smoothing=cfg.label_smoothing)
-            return mt.optimizer_step(loss, model, optimizer, scaler, cfg.clip)
+            return train.optimizer_step(loss, model, optimizer, scaler, cfg.clip)
         step(0), step(1)  # warm-up: cuBLAS handles, the allocator's first blocks
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -5120,9 +5121,9 @@ def quiet(*args, **kwargs):
 
 
 def test_training_learns_the_reversal_task(tmp_path, monkeypatch):
-    drawn, save_heatmap = [], mt.save_heatmap
-    monkeypatch.setattr(mt, "save_heatmap", lambda *args: drawn.append(save_heatmap(*args)) or drawn[-1])
-    res = mt.train(mt.TrainConfig(**{**SMALL, "steps": 300, "heatmap": str(tmp_path / "att.png")}), log=quiet)
+    drawn, save_heatmap = [], train.save_heatmap
+    monkeypatch.setattr(train, "save_heatmap", lambda *args: drawn.append(save_heatmap(*args)) or drawn[-1])
+    res = train.train(train.TrainConfig(**{**SMALL, "steps": 300, "heatmap": str(tmp_path / "att.png")}), log=quiet)
     assert res["accuracy"] > 0.9  # chance is 1/11
     assert (tmp_path / "att.png").stat().st_size > 0
     # what the heatmap shows is the reversal: query i attends to key L-1-i, the anti-diagonal
@@ -5136,7 +5137,7 @@ def test_packed_batches_hold_whole_reversed_sequences():
     min_len, max_len, T = 3, 10, 40
     lengths = []
     for seed in range(30):
-        x, y, cu = mt.packed_reverse_batch(T, min_len, max_len, 12, torch.Generator().manual_seed(seed),
+        x, y, cu = train.packed_reverse_batch(T, min_len, max_len, 12, torch.Generator().manual_seed(seed),
                                            torch.Generator().manual_seed(seed))
         assert x.shape == y.shape == (1, T) and cu.shape == (T // min_len + 2,) and cu.dtype == torch.int32
         c = cu.tolist()
@@ -5145,22 +5146,22 @@ def test_packed_batches_hold_whole_reversed_sequences():
             assert torch.equal(y[:, a:b], x[:, a:b].flip(1))  # every sequence reversed in place
             if b == a:  # an empty document: cu_seqlens keeps its length
                 continue
-            if (x[:, a:b] == mt.PAD).all():  # padding: only the end of the row, shorter than a sequence
+            if (x[:, a:b] == train.PAD).all():  # padding: only the end of the row, shorter than a sequence
                 assert b == T and b - a < min_len
             else:
-                assert (x[:, a:b] != mt.PAD).all() and min_len <= b - a <= max_len
+                assert (x[:, a:b] != train.PAD).all() and min_len <= b - a <= max_len
                 lengths.append(b - a)
     assert set(lengths) == set(range(min_len, max_len + 1))  # every length occurs
 
 
 def test_packed_training_learns_the_reversal_task():
-    res = mt.train(mt.TrainConfig(**{**SMALL, "steps": 300, "pack": True, "impl": "chunked"}), log=quiet)
+    res = train.train(train.TrainConfig(**{**SMALL, "steps": 300, "pack": True, "impl": "chunked"}), log=quiet)
     assert res["accuracy"] > 0.9  # held out: padded sequences, one per row, as always
 
 
 def test_lr_factor_warms_up_then_decays():
     # by hand, warm-up 4 steps, 10 steps in all, down to 0.1: (s + 1) / 4, then 0.1 + 0.9 * (1 + cos(pi t)) / 2
-    got = [mt.lr_factor(s, 4, 10, 0.1) for s in (0, 1, 3, 4, 7, 10, 20)]
+    got = [train.lr_factor(s, 4, 10, 0.1) for s in (0, 1, 3, 4, 7, 10, 20)]
     assert got == pytest.approx([0.25, 0.5, 1.0, 1.0, 0.55, 0.1, 0.1])
 
 
@@ -5169,7 +5170,7 @@ def test_weight_decay_reaches_matrices_only():
         warnings.simplefilter("ignore")
         model = mt.TokenClassifier(mt.EncoderConfig(vocab_size=10, max_len=8, d_model=32, n_heads=2, n_layers=1,
                                                     d_ff=64, pos_encoding="learned"))
-    decay, no_decay = mt.make_optimizer(model, 1e-3, 0.1).param_groups
+    decay, no_decay = train.make_optimizer(model, 1e-3, 0.1).param_groups
     names = {id(p): name for name, p in model.named_parameters()}
     # by hand: the embeddings, the four linear weights and the head's weight are matrices; biases and norms not
     assert sorted(names[id(p)] for p in decay["params"]) == sorted(
@@ -5192,25 +5193,25 @@ def test_evaluate_counts_real_tokens_and_whole_sequences():
     class Fixed(nn.Module):
         def forward(self, idx, attn_mask=None):
             return F.one_hot(pred, 12).float()
-    got = mt.evaluate(Fixed(), (x, y, torch.tensor([4, 2, 3])), contextlib.nullcontext)
+    got = train.evaluate(Fixed(), (x, y, torch.tensor([4, 2, 3])), contextlib.nullcontext)
     assert got == {"accuracy": 8 / 9, "seq_accuracy": pytest.approx(2 / 3)}
 
 
 def test_reverse_batch_is_the_reversal_with_padding():
-    x, y, lengths = mt.reverse_batch(5, 2, 7, 9, torch.Generator().manual_seed(0))
+    x, y, lengths = train.reverse_batch(5, 2, 7, 9, torch.Generator().manual_seed(0))
     for b in range(5):
         L = int(lengths[b])
         assert y[b, :L].tolist() == x[b, :L].flip(0).tolist()
-        assert (x[b, L:] == mt.PAD).all() and (y[b, L:] == mt.PAD).all() and (x[b, :L] != mt.PAD).all()
+        assert (x[b, L:] == train.PAD).all() and (y[b, L:] == train.PAD).all() and (x[b, :L] != train.PAD).all()
 
 
 @pytest.mark.parametrize("amp,impl", [("bf16", "chunked"), ("fp16", "flash")])
 def test_mixed_precision_training_follows_the_float32_run(amp, impl):
     # the same run in float32 is the oracle: after 120 steps the low-precision loss is within 2% of it, yet not
     # the very same number (autocast did act), and the model has learned well above chance (1/11)
-    want = mt.train(mt.TrainConfig(**{**SMALL, "impl": impl}), log=quiet)
+    want = train.train(train.TrainConfig(**{**SMALL, "impl": impl}), log=quiet)
     try:
-        got = mt.train(mt.TrainConfig(**{**SMALL, "amp": amp, "impl": impl}), log=quiet)
+        got = train.train(train.TrainConfig(**{**SMALL, "amp": amp, "impl": impl}), log=quiet)
     except RuntimeError as e:  # a torch whose CPU autocast lacks float16
         assert f"--amp {amp} is not supported" in str(e)
         pytest.skip(str(e))
@@ -5228,7 +5229,7 @@ def test_fp16_skipped_steps_are_counted(monkeypatch):
         return logits * float("inf") if len(calls) == 3 else logits
     monkeypatch.setattr(mt.TokenClassifier, "forward", poisoned)
     lines = []
-    res = mt.train(mt.TrainConfig(**{**SMALL, "steps": 10, "amp": "fp16", "log_every": 10}), log=lines.append)
+    res = train.train(train.TrainConfig(**{**SMALL, "steps": 10, "amp": "fp16", "log_every": 10}), log=lines.append)
     assert res["skipped_steps"] == 1 and any("skipped 1" in line for line in lines)
 
 
@@ -5242,7 +5243,7 @@ def test_gradients_are_unscaled_before_clipping():
     assert true_norm > 1.0  # so that clipping to 1.0 acts
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    norm, stepped = mt.optimizer_step((model(x) ** 2).sum() * 100, model, opt, scaler, clip=1.0)
+    norm, stepped = train.optimizer_step((model(x) ** 2).sum() * 100, model, opt, scaler, clip=1.0)
     assert stepped
     assert norm == pytest.approx(true_norm, rel=1e-5)  # swapped order would report 65536x this
     for p, p0, g in zip(model.parameters(), reference, true_grads):  # the update is the clipped true gradient
@@ -5255,7 +5256,7 @@ def test_scaler_skips_and_counts_a_step_with_inf_gradients():
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     before = [p.detach().clone() for p in model.parameters()]
     loss = model(torch.full((2, 4), float("inf"))).sum()
-    _, stepped = mt.optimizer_step(loss, model, opt, scaler, clip=1.0)
+    _, stepped = train.optimizer_step(loss, model, opt, scaler, clip=1.0)
     assert not stepped and scaler.get_scale() < 2.0**16
     for p, p0 in zip(model.parameters(), before):
         assert torch.equal(p.detach(), p0)
@@ -5263,11 +5264,11 @@ def test_scaler_skips_and_counts_a_step_with_inf_gradients():
 
 def test_resume_is_exact(tmp_path):
     cfg = {**SMALL, "steps": 30, "dropout": 0.1, "impl": "chunked", "save_every": 1000}
-    full = mt.train(mt.TrainConfig(**cfg), log=quiet)
+    full = train.train(train.TrainConfig(**cfg), log=quiet)
     ckpt = str(tmp_path / "ck.pt")
-    part = mt.train(mt.TrainConfig(**cfg, out=ckpt, stop_after=13), log=quiet)
+    part = train.train(train.TrainConfig(**cfg, out=ckpt, stop_after=13), log=quiet)
     assert part["step"] == 13
-    resumed = mt.train(mt.TrainConfig(**cfg, resume=ckpt), log=quiet)
+    resumed = train.train(train.TrainConfig(**cfg, resume=ckpt), log=quiet)
     assert resumed["loss"] == full["loss"]  # exactly: same data, dropout masks, optimizer state
     assert resumed["accuracy"] == full["accuracy"]
 
@@ -5275,23 +5276,23 @@ def test_resume_is_exact(tmp_path):
 def test_resume_refuses_other_options_and_the_cli_takes_the_saved_ones(tmp_path):
     ckpt = str(tmp_path / "ck.pt")
     cfg = {**SMALL, "steps": 12, "lr": 1e-3, "device": "cpu"}
-    mt.train(mt.TrainConfig(**cfg, out=ckpt, stop_after=5), log=quiet)
+    train.train(train.TrainConfig(**cfg, out=ckpt, stop_after=5), log=quiet)
     for change in ({"lr": 2e-3}, {"steps": 30}, {"batch_size": 8}):
         with pytest.raises(ValueError, match=f"checkpoint's run had {next(iter(change))}="):
-            mt.train(mt.TrainConfig(**{**cfg, **change}, resume=ckpt), log=quiet)
+            train.train(train.TrainConfig(**{**cfg, **change}, resume=ckpt), log=quiet)
     # the command line: options not given come from the checkpoint, not from the defaults
-    args = mt.parse_args(["--resume", ckpt])  # where output goes too; not where it stopped, nor its machine's device
+    args = train.parse_args(["--resume", ckpt])  # where output goes too; not where it stopped, nor its machine's device
     assert (args.out, args.log_every, args.heatmap, args.stop_after, args.device) == (
         ckpt, SMALL["log_every"], None, None, "auto")
     with pytest.raises(ValueError, match=r"nothing to train: the run is at step 5 and would stop at step 5"):
-        mt.train(mt.TrainConfig(**cfg, resume=ckpt, stop_after=5), log=quiet)
-    args = mt.parse_args(["--resume", ckpt, "--log-every", "3", "--heatmap", ""])
+        train.train(train.TrainConfig(**cfg, resume=ckpt, stop_after=5), log=quiet)
+    args = train.parse_args(["--resume", ckpt, "--log-every", "3", "--heatmap", ""])
     assert (args.lr, args.steps, args.d_model, args.log_every) == (1e-3, 12, SMALL["d_model"], 3)
-    assert mt.train(args, log=quiet)["step"] == 12
+    assert train.train(args, log=quiet)["step"] == 12
     with pytest.raises(ValueError, match=r"nothing to train: the checkpoint's run is finished \(step 12 of --steps 12\)"):
-        mt.train(mt.parse_args(["--resume", ckpt]), log=quiet)  # --out was inherited: the run saved step 12 there
+        train.train(train.parse_args(["--resume", ckpt]), log=quiet)  # --out was inherited: the run saved step 12 there
     with pytest.raises(ValueError, match="run had lr=0.001; this run asks for lr=0.01"):  # given on the command line
-        mt.train(mt.parse_args(["--resume", ckpt, "--lr", "0.01"]), log=quiet)
+        train.train(train.parse_args(["--resume", ckpt, "--lr", "0.01"]), log=quiet)
 
 
 @pytest.mark.parametrize("device", ["mps", "xpu", "cuda:7"])
@@ -5300,49 +5301,49 @@ def test_a_device_this_machine_lacks_is_named_before_training(device):
     if torch.cuda.device_count() > 7 if device == "cuda:7" else getattr(torch, device).is_available():
         pytest.skip(f"this machine has {device}")
     with pytest.raises(ValueError, match=rf"--device {device} is not available here: \S"):
-        mt.train(mt.TrainConfig(**{**SMALL, "steps": 1, "device": device}), log=quiet)
+        train.train(train.TrainConfig(**{**SMALL, "steps": 1, "device": device}), log=quiet)
 
 
 def test_a_run_whose_every_step_the_scaler_skipped_fails(monkeypatch):
     # fp16: a run in which the gradient scaler skipped every step trained nothing, and says so (it returned rc 0)
-    real = mt.optimizer_step
+    real = train.optimizer_step
 
     def never(loss, model, optimizer, scaler, clip):  # as if every step's gradients held inf
         norm, _ = real(loss, model, optimizer, scaler, clip)
         return norm, torch.zeros((), dtype=torch.bool)
-    monkeypatch.setattr(mt, "optimizer_step", never)
+    monkeypatch.setattr(train, "optimizer_step", never)
     with pytest.raises(FloatingPointError, match="every one of the 3 steps was skipped by fp16's gradient scaler"):
-        mt.train(mt.TrainConfig(**{**SMALL, "steps": 3, "amp": "fp16", "heatmap": None}), log=quiet)
+        train.train(train.TrainConfig(**{**SMALL, "steps": 3, "amp": "fp16", "heatmap": None}), log=quiet)
 
 
 def test_resume_with_another_number_of_processes_is_a_clear_error(tmp_path):
     ckpt = tmp_path / "ck.pt"
-    mt.train(mt.TrainConfig(**{**SMALL, "steps": 4, "out": str(ckpt)}), log=quiet)
+    train.train(train.TrainConfig(**{**SMALL, "steps": 4, "out": str(ckpt)}), log=quiet)
     state = torch.load(ckpt, weights_only=True)
     state["world_size"] = 2  # as torchrun --nproc_per_node=2 would have written it
     torch.save(state, ckpt)
     with pytest.raises(ValueError, match=r"written by 2 process\(es\), this run has 1"):
-        mt.train(mt.TrainConfig(**{**SMALL, "steps": 4, "resume": str(ckpt)}), log=quiet)
+        train.train(train.TrainConfig(**{**SMALL, "steps": 4, "resume": str(ckpt)}), log=quiet)
 
 
 def test_corrupt_or_truncated_checkpoint_gives_a_clear_error(tmp_path):
     good = str(tmp_path / "good.pt")
-    mt.train(mt.TrainConfig(**{**SMALL, "steps": 2, "out": good}), log=quiet)
+    train.train(train.TrainConfig(**{**SMALL, "steps": 2, "out": good}), log=quiet)
     data = open(good, "rb").read()
     cases = {"truncated.pt": data[: len(data) // 2], "garbage.pt": b"not a checkpoint at all"}
     for name, content in cases.items():
         path = tmp_path / name
         path.write_bytes(content)
         with pytest.raises(ValueError, match="cannot read checkpoint .* corrupt, truncated"):
-            mt.train(mt.TrainConfig(**{**SMALL, "resume": str(path)}), log=quiet)
+            train.train(train.TrainConfig(**{**SMALL, "resume": str(path)}), log=quiet)
     other = tmp_path / "other.pt"
     torch.save({"weights": torch.zeros(2)}, other)
     with pytest.raises(ValueError, match="not a minitransformer checkpoint"):
-        mt.load_checkpoint(str(other))
+        train.load_checkpoint(str(other))
     evil = tmp_path / "evil.pt"
     torch.save({"model": print}, evil)  # unpickling would need a global: weights_only refuses
     with pytest.raises(ValueError, match="cannot read checkpoint"):
-        mt.load_checkpoint(str(evil))
+        train.load_checkpoint(str(evil))
 
 
 def test_non_finite_loss_stops_with_the_step_and_no_checkpoint(tmp_path, monkeypatch):
@@ -5356,14 +5357,14 @@ def test_non_finite_loss_stops_with_the_step_and_no_checkpoint(tmp_path, monkeyp
     monkeypatch.setattr(mt.TokenClassifier, "forward", poisoned)
     ckpt = tmp_path / "ck.pt"
     with pytest.raises(FloatingPointError, match=r"loss is nan \(gradient norm nan\) at step 3"):
-        mt.train(mt.TrainConfig(**{**SMALL, "steps": 10, "out": str(ckpt), "save_every": 2}), log=quiet)
-    state = mt.load_checkpoint(str(ckpt))  # the step-2 checkpoint is intact and is the last one written
+        train.train(train.TrainConfig(**{**SMALL, "steps": 10, "out": str(ckpt), "save_every": 2}), log=quiet)
+    state = train.load_checkpoint(str(ckpt))  # the step-2 checkpoint is intact and is the last one written
     assert state["step"] == 2 and not (tmp_path / "ck.pt.tmp").exists()
 
 
 def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch):
     # a step that leaves a weight infinite while its loss and gradient norm were finite (an lr that overflows)
-    step, calls = mt.optimizer_step, []
+    step, calls = train.optimizer_step, []
 
     def overflowing(loss, model, *args):
         out = step(loss, model, *args)
@@ -5371,42 +5372,42 @@ def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch):
         if len(calls) == 4:
             next(model.parameters()).data[0, 0] = math.inf
         return out
-    monkeypatch.setattr(mt, "optimizer_step", overflowing)
+    monkeypatch.setattr(train, "optimizer_step", overflowing)
     ckpt = tmp_path / "ck.pt"
     with pytest.raises(FloatingPointError, match="the weights hold inf or NaN at step 4"):
-        mt.train(mt.TrainConfig(**{**SMALL, "steps": 10, "out": str(ckpt), "save_every": 2}), log=quiet)
-    assert mt.load_checkpoint(str(ckpt))["step"] == 2 and not (tmp_path / "ck.pt.tmp").exists()
+        train.train(train.TrainConfig(**{**SMALL, "steps": 10, "out": str(ckpt), "save_every": 2}), log=quiet)
+    assert train.load_checkpoint(str(ckpt))["step"] == 2 and not (tmp_path / "ck.pt.tmp").exists()
 
 
 def test_a_failed_save_leaves_the_last_checkpoint_and_no_stray_file(tmp_path, monkeypatch):
     path = tmp_path / "ck.pt"
-    mt.save_checkpoint(str(path), {"step": torch.tensor(2)})
+    train.save_checkpoint(str(path), {"step": torch.tensor(2)})
     monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError, match="disk full"):
-        mt.save_checkpoint(str(path), {"step": torch.tensor(4)})
+        train.save_checkpoint(str(path), {"step": torch.tensor(4)})
     assert torch.load(path, weights_only=True)["step"] == 2 and not (tmp_path / "ck.pt.tmp").exists()
 
 
 def test_the_logged_learning_rate_is_the_one_its_step_used():
-    lines, cfg = [], mt.TrainConfig(**{**SMALL, "steps": 6, "warmup": 2, "log_every": 1})
-    mt.train(cfg, log=lines.append)
+    lines, cfg = [], train.TrainConfig(**{**SMALL, "steps": 6, "warmup": 2, "log_every": 1})
+    train.train(cfg, log=lines.append)
     logged = [float(line.split("| lr ")[1].split(" ")[0]) for line in lines if "| lr " in line]
-    want = [cfg.lr * mt.lr_factor(s, cfg.warmup, cfg.steps, cfg.min_lr_ratio) for s in range(6)]
+    want = [cfg.lr * train.lr_factor(s, cfg.warmup, cfg.steps, cfg.min_lr_ratio) for s in range(6)]
     assert logged == pytest.approx(want, rel=1e-2)  # printed to 3 digits
 
 
 def test_tokens_per_second_leaves_evaluation_out(monkeypatch):
     # a clock on which every evaluation takes 100 s: counted in, the second interval's rate would fall below
     # its tokens / 100 s, at most 10 steps x batch x max_len / 100 s
-    evaluate, clock, offset = mt.evaluate, time.time, [0.0]
+    evaluate, clock, offset = train.evaluate, time.time, [0.0]
 
     def slow(*args):
         offset[0] += 100.0
         return evaluate(*args)
-    monkeypatch.setattr(mt, "evaluate", slow)
+    monkeypatch.setattr(train, "evaluate", slow)
     monkeypatch.setattr(time, "time", lambda: clock() + offset[0])
     lines = []
-    mt.train(mt.TrainConfig(**{**SMALL, "steps": 20, "log_every": 10, "eval_every": 10}), log=lines.append)
+    train.train(train.TrainConfig(**{**SMALL, "steps": 20, "log_every": 10, "eval_every": 10}), log=lines.append)
     rates = [float(line.split(" tok/s")[0].split("| ")[-1].replace(",", "")) for line in lines if "tok/s" in line]
     assert len(rates) == 2 and rates[1] > 10 * SMALL["batch_size"] * SMALL["max_len"] / 100.0
 
@@ -5416,7 +5417,7 @@ def test_checkpoint_is_flushed_to_disk_with_its_folder(tmp_path, monkeypatch):
     fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or fsync(fd))  # Linux
     path = tmp_path / "ck.pt"
-    mt.save_checkpoint(str(path), {"step": torch.tensor(3)})
+    train.save_checkpoint(str(path), {"step": torch.tensor(3)})
     assert synced == [str(path) + ".tmp", str(tmp_path)]  # the file before the rename, its folder after
     assert torch.load(path, weights_only=True)["step"] == 3 and not (tmp_path / "ck.pt.tmp").exists()
 
@@ -5427,7 +5428,7 @@ def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(RuntimeError, match=r"LOCAL_RANK=1, but this machine has 1 CUDA device\(s\)"):
-        mt.train(mt.TrainConfig(**{**SMALL, "device": "cuda"}), log=quiet)
+        train.train(train.TrainConfig(**{**SMALL, "device": "cuda"}), log=quiet)
 
 
 @pytest.mark.parametrize("argv", [["--steps", "0"], ["--amp", "fp8"], ["--impl", "fast"], ["--lr", "abc"],
@@ -5436,7 +5437,7 @@ def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
                                   ["--heatmap-head", "-3"], ["--device", "gpu"]])
 def test_cli_rejects_bad_options(argv, capsys):  # before any training: a folder as --out, a layer not there
     with pytest.raises(SystemExit) as e:
-        mt.parse_args(argv)
+        train.parse_args(argv)
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
 
 
@@ -5462,23 +5463,23 @@ def test_torchrun_two_processes_keep_identical_parameters(tmp_path):
     assert "training on cpu x 2 process(es)" in run.stdout
     assert "max parameter difference across 2 ranks: 0" in run.stdout
     assert run.stdout.count("accuracy=") == 1  # rank 0 alone prints
-    state = mt.load_checkpoint(str(tmp_path / "ck.pt"))
+    state = train.load_checkpoint(str(tmp_path / "ck.pt"))
     assert state["step"] == 6
     # the oracle: one process on the global batch (both ranks' batches), its loss the mean of the two ranks'
     # losses, as DDP's average of their gradients makes it; AdamW, clipping and the schedule as the defaults
-    cfg = mt.TrainConfig(steps=6)
+    cfg = train.TrainConfig(steps=6)
     torch.manual_seed(cfg.seed)
     model = mt.TokenClassifier(cfg.model_config())
-    opt = mt.make_optimizer(model, cfg.lr, cfg.weight_decay)
+    opt = train.make_optimizer(model, cfg.lr, cfg.weight_decay)
     for step in range(6):
         for group in opt.param_groups:
-            group["lr"] = cfg.lr * mt.lr_factor(step, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
+            group["lr"] = cfg.lr * train.lr_factor(step, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
         losses = []
         for rank in range(2):
             gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 1009 + rank)
-            x, y, lengths = mt.reverse_batch(cfg.batch_size, cfg.min_len, cfg.max_len, cfg.vocab_size, gen)
+            x, y, lengths = train.reverse_batch(cfg.batch_size, cfg.min_len, cfg.max_len, cfg.vocab_size, gen)
             logits = model(x, mt.padding_mask(lengths, x.size(1)))
-            losses.append(F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=mt.PAD,
+            losses.append(F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=train.PAD,
                                           label_smoothing=cfg.label_smoothing))
         (sum(losses) / 2).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
