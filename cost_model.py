@@ -40,6 +40,8 @@ import minitransformer as mt
 
 MIB = 2**20
 SDPA_SERIES = {"sdpa-flash": "flash", "sdpa-efficient": "efficient", "sdpa-cudnn": "cudnn"}  # a fused kernel forced
+# FlexAttention: minitransformer's on the chunked path, torch's own eager ((B, H, n, n) scores) and compiled
+FLEX_PATHS = ("flex", "torch-flex", "torch-flex-compiled")
 
 
 # -----------------------------------------------------------------------------

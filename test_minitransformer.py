@@ -92,6 +92,7 @@ import cost_model
 import minitransformer as mt
 import ring_attention as ring
 import study
+import study_report
 import train
 
 CUDA = torch.cuda.is_available()
@@ -4568,24 +4569,24 @@ def test_exponents_are_those_of_known_curves_from_their_largest_lengths():
         n = torch.tensor(ns, dtype=torch.float64)
         ms = (200.0 + 1e5 * (n / ns[-1]) ** p_time) * noise()  # 200 ms of fixed costs, 100 s at the largest n
         peak = 40.0 + 1e4 * (n / ns[-1]) ** p_mem  # a 40 MiB workspace
-        fit = study.exponents(rows(ms.tolist(), peak.tolist()))[("s", "fwd")]
+        fit = study_report.exponents(rows(ms.tolist(), peak.tolist()))[("s", "fwd")]
         assert fit["time"] == pytest.approx(p_time, abs=0.06) and fit["memory"] == pytest.approx(p_mem, abs=0.02), fit
-        small = len(ns) - study.FIT_POINTS
+        small = len(ns) - study_report.FIT_POINTS
         redrawn_ms = (torch.rand(small, generator=g) * 1000).tolist() + ms.tolist()[small:]
         redrawn_peak = (torch.rand(small, generator=g) * 1000).tolist() + peak.tolist()[small:]
-        assert study.exponents(rows(redrawn_ms, redrawn_peak))[("s", "fwd")] == fit
+        assert study_report.exponents(rows(redrawn_ms, redrawn_peak))[("s", "fwd")] == fit
         moved = ms.tolist()[:-1] + [ms.tolist()[-1] * 3]
-        assert study.exponents(rows(moved, peak.tolist()))[("s", "fwd")]["time"] > fit["time"] + 0.2
+        assert study_report.exponents(rows(moved, peak.tolist()))[("s", "fwd")]["time"] > fit["time"] + 0.2
 
 
 def test_growth_exponent_removes_the_constant():
     ns = [512, 1024, 2048, 4096]
 
     def growth(ys, ns=ns):
-        return study.supported_exponent(ns, ys, (0.0, 0.0), growth=True)
+        return study_report.supported_exponent(ns, ys, (0.0, 0.0), growth=True)
     assert growth([40.0 + 3 * n for n in ns]) == pytest.approx(1.0, abs=1e-9)
     assert growth([40.0 + n**2 / 7 for n in ns]) == pytest.approx(2.0, abs=1e-9)
-    assert study.fit_exponent(ns, [400.0 + 3 * n for n in ns]) < 0.95  # what the plain slope would say
+    assert study_report.fit_exponent(ns, [400.0 + 3 * n for n in ns]) < 0.95  # what the plain slope would say
     assert growth([400.0 + 3 * n for n in ns]) == pytest.approx(1.0, abs=1e-9)
     assert growth([1.0, 2.0, 3.0, 4.0], ns=[512, 1024, 4096, 8192]) is None  # not geometric
     assert growth([5.0, 4.0, 3.0, 2.0]) is None  # not growing
@@ -4593,9 +4594,9 @@ def test_growth_exponent_removes_the_constant():
 
 def test_fit_exponent():
     ns = [256, 512, 1024, 2048, 4096]
-    assert abs(study.fit_exponent(ns, [3.0 * n**2 for n in ns]) - 2.0) < 1e-9
-    assert abs(study.fit_exponent(ns, [5.0 * n + 1e6 / n**3 for n in ns]) - 1.0) < 0.01  # the largest n decide
-    assert math.isnan(study.fit_exponent([256], [1.0]))
+    assert abs(study_report.fit_exponent(ns, [3.0 * n**2 for n in ns]) - 2.0) < 1e-9
+    assert abs(study_report.fit_exponent(ns, [5.0 * n + 1e6 / n**3 for n in ns]) - 1.0) < 0.01  # the largest n decide
+    assert math.isnan(study_report.fit_exponent([256], [1.0]))
 
 
 def fake_runner(calls, oom=lambda s: False, fail=lambda s: False, unsupported=lambda s: False, device=None):
@@ -4891,9 +4892,9 @@ def test_a_strategy_is_set_beside_flash_only_of_its_own_causality():
     # only where both are causal or neither is (CSV rows: strings)
     row = lambda series, causal: {"series": series, "mode": "fwd+bwd", "n": "1024", "causal": causal}  # noqa: E731
     curves = {("flash", "fwd+bwd"): [row("flash", "False")]}
-    assert study._flash_beside(curves, row("strided128", "False")) is curves[("flash", "fwd+bwd")][0]
-    assert study._flash_beside(curves, row("strided128-causal", "True")) is None
-    assert study._flash_beside(curves, {**row("strided128", "False"), "n": "2048"}) is None
+    assert study_report._flash_beside(curves, row("strided128", "False")) is curves[("flash", "fwd+bwd")][0]
+    assert study_report._flash_beside(curves, row("strided128-causal", "True")) is None
+    assert study_report._flash_beside(curves, {**row("strided128", "False"), "n": "2048"}) is None
 
 
 def test_a_grouped_series_gets_k_v_heads_that_divide_h():
@@ -4954,24 +4955,24 @@ def test_every_series_measures_what_its_name_says(causal, tmp_path, monkeypatch)
 
 def test_an_exponent_needs_three_doublings_and_growth_above_noise():
     ns = [256, 512, 1024, 2048]
-    memory, time_ = study.NOISE["peak_mib"], study.NOISE["ms"]
-    assert study.supported_exponent(ns, [40.0 + n / 64 for n in ns], memory, growth=True) == pytest.approx(1.0)
-    assert study.supported_exponent(ns, [3.0 + n**2 / 4096 for n in ns], memory, growth=True) == pytest.approx(2.0)
-    assert study.supported_exponent(ns, [n**2 / 1e4 for n in ns], time_) == pytest.approx(2.0)
+    memory, time_ = study_report.NOISE["peak_mib"], study_report.NOISE["ms"]
+    assert study_report.supported_exponent(ns, [40.0 + n / 64 for n in ns], memory, growth=True) == pytest.approx(1.0)
+    assert study_report.supported_exponent(ns, [3.0 + n**2 / 4096 for n in ns], memory, growth=True) == pytest.approx(2.0)
+    assert study_report.supported_exponent(ns, [n**2 / 1e4 for n in ns], time_) == pytest.approx(2.0)
     # two doublings cannot tell, whatever the data: this is --quick's range
-    assert study.supported_exponent(ns[1:], [40.0 + n / 64 for n in ns[1:]], memory, growth=True) is None
+    assert study_report.supported_exponent(ns[1:], [40.0 + n / 64 for n in ns[1:]], memory, growth=True) is None
     # the curves a --quick run measured for chunked and flash (fwd+bwd, MiB), reported as -0.42 and 1.27 before
-    assert study.supported_exponent([256, 512, 1024], [7.0, 12.5, 16.6], memory, growth=True) is None
-    assert study.supported_exponent([256, 512, 1024], [2.8, 5.5, 12.0], memory, growth=True) is None
+    assert study_report.supported_exponent([256, 512, 1024], [7.0, 12.5, 16.6], memory, growth=True) is None
+    assert study_report.supported_exponent([256, 512, 1024], [2.8, 5.5, 12.0], memory, growth=True) is None
     # differences that follow no single power (chunked below one block, flash at short n; measured)
-    assert study.supported_exponent(ns, [7.0, 12.5, 16.6, 24.6], memory, growth=True) is None
-    assert study.supported_exponent(ns, [0.7, 1.3, 3.2, 5.2], memory, growth=True) is None
+    assert study_report.supported_exponent(ns, [7.0, 12.5, 16.6, 24.6], memory, growth=True) is None
+    assert study_report.supported_exponent(ns, [0.7, 1.3, 3.2, 5.2], memory, growth=True) is None
     # a step within the noise: 0.3 MiB of memory, 10% of time
-    assert study.supported_exponent(ns, [10.0, 10.3, 14.0, 22.0], memory, growth=True) is None
-    assert study.supported_exponent(ns, [10.0, 11.0, 40.0, 160.0], time_) is None
+    assert study_report.supported_exponent(ns, [10.0, 10.3, 14.0, 22.0], memory, growth=True) is None
+    assert study_report.supported_exponent(ns, [10.0, 11.0, 40.0, 160.0], time_) is None
     # growing ever more slowly (differences shrink): no negative exponent, no exponent at all
-    assert study.supported_exponent(ns, [100.0 - 12800 / n for n in ns], memory, growth=True) is None
-    assert study.supported_exponent([256, 512, 1024, 3000], [1.0, 2.0, 4.0, 8.0], memory, growth=True) is None
+    assert study_report.supported_exponent(ns, [100.0 - 12800 / n for n in ns], memory, growth=True) is None
+    assert study_report.supported_exponent([256, 512, 1024, 3000], [1.0, 2.0, 4.0, 8.0], memory, growth=True) is None
 
 
 def test_summary_gives_an_exponent_only_where_the_range_supports_it(tmp_path):
@@ -4997,7 +4998,7 @@ def test_memory_wall_in_summary_and_csv(tmp_path):
     for line in ["| naive | fwd | 128 | 256 | 2.5 GiB |", "| naive | fwd+bwd | 128 | 256 | 2.5 GiB |",
                  "| chunked | fwd | 512 | - | 2.5 GiB |", "| chunked | fwd+bwd | 512 | - | 2.5 GiB |"]:
         assert line in text
-    walls = {(s, m): (ok, oom) for s, m, ok, oom, _ in study.memory_wall(rows)}
+    walls = {(s, m): (ok, oom) for s, m, ok, oom, _ in study_report.memory_wall(rows)}
     assert walls[("naive", "fwd")] == (128, 256) and walls[("chunked", "fwd")] == (512, None)
 
 
