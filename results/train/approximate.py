@@ -18,6 +18,7 @@ sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import approximate_attention as approx  # noqa: E402
 import minitransformer as mt  # noqa: E402
+import train as tr  # noqa: E402
 import torch  # noqa: E402
 from extrapolation import train  # noqa: E402
 
@@ -40,15 +41,15 @@ WHY = {
 
 def run(name):
     torch.manual_seed(0)
-    cfg = mt.TrainConfig(heatmap=None)
+    cfg = tr.TrainConfig(heatmap=None)
     model = mt.TokenClassifier(cfg.model_config())
     if name != "exact":
         head_dim = cfg.d_model // cfg.n_heads
         approx.use_in(model.encoder, lambda: approx.STRATEGIES[name](SETTINGS[name], cfg.max_len, head_dim))
     seconds = train(model, "reverse", cfg)
-    held_out = mt.reverse_batch(cfg.eval_size, cfg.min_len, cfg.max_len, cfg.vocab_size,
+    held_out = tr.reverse_batch(cfg.eval_size, cfg.min_len, cfg.max_len, cfg.vocab_size,
                                 torch.Generator().manual_seed(2**40 + cfg.seed))  # train()'s own held-out set
-    return mt.evaluate(model, held_out, contextlib.nullcontext), seconds, errors(model, held_out)
+    return tr.evaluate(model, held_out, contextlib.nullcontext), seconds, errors(model, held_out)
 
 
 def errors(model, data):

@@ -22,6 +22,7 @@ from dataclasses import replace
 
 sys.path.insert(0, os.getcwd())
 import minitransformer as mt  # noqa: E402
+import train as tr  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -33,10 +34,10 @@ BANDS = ((4, 32), (33, 48), (49, 64))
 def batch(task, B, min_len, max_len, vocab_size, gen):
     """x, y (B, max_len) and lengths: the reversal task (minitransformer.reverse_batch), or its inputs with
     y_i = x_{i - SHIFT} (padding where i < SHIFT or i >= length, which the loss and the accuracy skip)."""
-    x, y, lengths = mt.reverse_batch(B, min_len, max_len, vocab_size, gen)
+    x, y, lengths = tr.reverse_batch(B, min_len, max_len, vocab_size, gen)
     if task == "shift":
-        y = torch.cat([torch.full((B, SHIFT), mt.PAD), x[:, :-SHIFT]], dim=1)  # (B, max_len)
-        y = y.masked_fill(torch.arange(max_len)[None, :] >= lengths[:, None], mt.PAD)
+        y = torch.cat([torch.full((B, SHIFT), tr.PAD), x[:, :-SHIFT]], dim=1)  # (B, max_len)
+        y = y.masked_fill(torch.arange(max_len)[None, :] >= lengths[:, None], tr.PAD)
     return x, y, lengths
 
 
@@ -54,17 +55,17 @@ class Classifier(torch.nn.Module):
 def train(model, task, cfg):
     """minitransformer's training step (AdamW, warm-up and cosine decay, label smoothing, clipping) on `task`'s
     batches of cfg.min_len to cfg.max_len tokens, seed 0; returns the seconds it took."""
-    optimizer = mt.make_optimizer(model, cfg.lr, cfg.weight_decay)
+    optimizer = tr.make_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: mt.lr_factor(s, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
+        optimizer, lambda s: tr.lr_factor(s, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     gen, t0 = torch.Generator().manual_seed(0), time.time()
     for _ in range(cfg.steps):
         x, y, lengths = batch(task, cfg.batch_size, cfg.min_len, cfg.max_len, cfg.vocab_size, gen)
         logits = model(x, mt.padding_mask(lengths, x.size(1)))
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=mt.PAD,
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=tr.PAD,
                                label_smoothing=cfg.label_smoothing)
-        mt.optimizer_step(loss, model, optimizer, scaler, cfg.clip)
+        tr.optimizer_step(loss, model, optimizer, scaler, cfg.clip)
         scheduler.step()
     return time.time() - t0
 
@@ -72,17 +73,17 @@ def train(model, task, cfg):
 def past_trained(x, y, lengths):
     """The same sequences, scored only at the positions training never had (32 on): in the shift task, with
     causal attention, outputs 0-31 of a longer sequence see exactly what they saw in training."""
-    return x, y.masked_fill(torch.arange(y.size(1)) < BANDS[0][1], mt.PAD), lengths
+    return x, y.masked_fill(torch.arange(y.size(1)) < BANDS[0][1], tr.PAD), lengths
 
 
 def run(task, pos_encoding):
     """Train on lengths 4-32; return (accuracy per band, accuracy per length 4..64, seconds)."""
     torch.manual_seed(0)
-    cfg = mt.TrainConfig(pos_encoding=pos_encoding, heatmap=None)
+    cfg = tr.TrainConfig(pos_encoding=pos_encoding, heatmap=None)
     model = Classifier(replace(cfg.model_config(), max_len=BANDS[-1][1]), causal=task == "shift")
     seconds = train(model, task, cfg)
     held_out = torch.Generator().manual_seed(2**40)  # a stream training never draws from
-    score = lambda data: mt.evaluate(model, data, contextlib.nullcontext)["accuracy"]  # noqa: E731
+    score = lambda data: tr.evaluate(model, data, contextlib.nullcontext)["accuracy"]  # noqa: E731
     data = {band: batch(task, 2000, *band, cfg.vocab_size, held_out) for band in BANDS}
     bands = {band: score(d) for band, d in data.items()}
     bands |= {(band, "past"): score(past_trained(*d)) for band, d in data.items() if band != BANDS[0]}

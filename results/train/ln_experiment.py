@@ -15,6 +15,7 @@ import time
 
 sys.path.insert(0, os.getcwd())
 import minitransformer as mt  # noqa: E402
+import train as tr  # noqa: E402
 
 OUT = os.path.dirname(os.path.abspath(__file__))
 STEPS = 800
@@ -23,11 +24,11 @@ LINE = re.compile(r"step\s+(\d+) \| loss ([\d.]+|nan|inf) \|.*\| grad norm ([\d.
 
 def run(n_layers, norm_first, warmup):
     lines = []
-    cfg = mt.TrainConfig(steps=STEPS, n_layers=n_layers, norm_first=norm_first, warmup=warmup, log_every=10,
+    cfg = tr.TrainConfig(steps=STEPS, n_layers=n_layers, norm_first=norm_first, warmup=warmup, log_every=10,
                          eval_every=100, heatmap=None)
     t0 = time.time()
     try:
-        result = mt.train(cfg, log=lines.append)
+        result = tr.train(cfg, log=lines.append)
     except FloatingPointError as e:  # a diverged run is a result too
         result = {"accuracy": float("nan"), "error": str(e)}
     curve = [(int(s), float(l), float(g)) for s, l, g in (LINE.search(x).groups() for x in lines if LINE.search(x))]

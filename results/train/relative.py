@@ -17,6 +17,7 @@ from dataclasses import replace
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import minitransformer as mt  # noqa: E402
+import train as tr  # noqa: E402
 import torch  # noqa: E402
 from extrapolation import BANDS, TASKS, Classifier, batch, past_trained, train  # noqa: E402
 
@@ -37,7 +38,7 @@ class RelativeBias(torch.nn.Module):
 def run(task, relative):
     """Train on lengths 4-32; return (accuracy per band, then past position 32 for the longer bands; seconds)."""
     torch.manual_seed(0)
-    cfg = mt.TrainConfig(heatmap=None, pos_encoding="rope" if relative else "sinusoidal")
+    cfg = tr.TrainConfig(heatmap=None, pos_encoding="rope" if relative else "sinusoidal")
     config = replace(cfg.model_config(), max_len=BANDS[-1][1])
     model = Classifier(config, causal=task == "shift")
     if relative:  # one table for every layer, as T5 shares it; no rotation: positions come through the bias alone
@@ -47,7 +48,7 @@ def run(task, relative):
             layer.self_attn.rope = None
     seconds = train(model, task, cfg)
     held_out = torch.Generator().manual_seed(2**40)  # the stream extrapolation.py scores on
-    score = lambda data: mt.evaluate(model, data, contextlib.nullcontext)["accuracy"]  # noqa: E731
+    score = lambda data: tr.evaluate(model, data, contextlib.nullcontext)["accuracy"]  # noqa: E731
     data = [batch(task, 2000, *band, cfg.vocab_size, held_out) for band in BANDS]
     return [score(d) for d in data] + [score(past_trained(*d)) for d in data[1:]], seconds
 
