@@ -334,7 +334,7 @@ def trained_inputs(checkpoint, n, device):
     if state["model_config"].get("pos_encoding", "sinusoidal") != "sinusoidal":
         raise ValueError(f"trained_inputs reads q and k before any rotation or bias: a sinusoidal model only, "
                          f"got pos_encoding={state['model_config']['pos_encoding']!r}")
-    model = mt.TokenClassifier(mt.EncoderConfig(**{**state["model_config"], "max_len": n}))
+    model = train.TokenClassifier(mt.EncoderConfig(**{**state["model_config"], "max_len": n}))
     model.load_state_dict(state["model"])
     model.eval()  # no dropout on what is read
     attn, seen = model.encoder.layers[-1].self_attn, []

@@ -9,12 +9,9 @@ minitransformer: a Transformer encoder in one file, read top-down like a short p
 3. The appendix: the hardened paths that the model's attention runs through (attention(), impl=), each
    tested equal to the core: the same maths with everything real use asks for (masks, windows, packed
    documents, ALiBi, a user's FlexAttention mods, dropout, 16-bit dtypes, torch.compile). naive: the
-   textbook formula with the conventions of PyTorch's F.scaled_dot_product_attention (SDPA); chunked: the
-   blockwise algorithm with FlashAttention-2's precision recipe (the products' operands Q, K, V, P and dS in
-   16 bits, their sums and the running max m and sum l in float32), one custom operator for torch.compile;
-   flash: PyTorch's fused kernels, warning (or raising) before SDPA would fall back to its math kernel. Every
-   variant (causality, a window, documents, ALiBi, your mods) is a small rule over the positions of queries
-   and keys that all three read (Visibility). The input checks come last.
+   textbook formula; chunked: the blockwise algorithm with FlashAttention-2's precision recipe; flash:
+   PyTorch's fused kernels, never silently falling back. Every variant is a small rule over the positions of
+   queries and keys that all three read (Visibility). The input checks come last.
 ring_attention.py continues the chunked path across devices; approximate_attention.py holds the
 tutorials' approximate ways out; study.py measures what each path costs, and cost_model.py predicts it.
 
@@ -26,8 +23,6 @@ Where each idea of a Transformer tutorial lives, in the order of the file:
                                           RotaryEmbedding, alibi_slopes
     encoder layer, residuals, LayerNorm   EncoderLayer (post-LN as in the paper, or pre-LN), Encoder
     decoding: a KV cache                  KVCache (padded prompts, rollback), Encoder.kv_caches
-    mixed precision, gradient clipping    train.py: _train (autocast), optimizer_step (GradScaler, clip)
-    warm-up, label smoothing              train.py: lr_factor, TrainConfig.label_smoothing
     local, packed and your own variants   window_size=, cu_seqlens=, flex_attention (score_mod, mask_mod)
 
 References:
@@ -618,20 +613,6 @@ class Encoder(nn.Module):
         return block.self_attn(x, attn_mask, is_causal, need_weights=True)[1]
 
 
-class TokenClassifier(nn.Module):
-    """Encoder plus a linear head: logits (B, T, vocab_size) for one output token per position."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.encoder = Encoder(config)
-        self.head = nn.Linear(config.d_model, config.vocab_size)
-        nn.init.normal_(self.head.weight, std=0.02)
-        nn.init.zeros_(self.head.bias)
-
-    def forward(self, idx, attn_mask=None, cu_seqlens=None):
-        return self.head(self.encoder(idx, attn_mask, cu_seqlens=cu_seqlens))
-
-
 # -----------------------------------------------------------------------------
 # Decoding: a KV cache, which MultiHeadAttention fills and reads (cache=) and Encoder.kv_caches makes
 
@@ -684,7 +665,12 @@ class KVCache:
             raise ValueError(f"rollback(n) drops n slots, a non-negative int, or each row its own, a ({B},) "
                              f"integer tensor: got {n!r}")
         _check_range(self.length - n, 0, math.inf, f"the slots written less the {n} to drop")
-        self.length.sub_(n)
+        self._truncate(self.length - n)
+
+    def _truncate(self, length):
+        """Keep the first `length` slots; the others hold no token (position max_len). Recounts the tokens."""
+        L = self.pos.size(-1)
+        self.length.copy_(length)
         self.pos.masked_fill_(torch.arange(L, device=self.pos.device) >= self.length, L)  # (B, max_len)
         self.tokens.copy_((self.pos < L).sum(-1, keepdim=True))
 
@@ -744,9 +730,7 @@ def _all_or_nothing(caches):
         yield
     except BaseException:
         for c in caches:  # back to its length: the slots past it hold no token (a call writes only those)
-            c.length.copy_(c.saved)
-            c.pos.masked_fill_(torch.arange(c.pos.size(-1), device=c.pos.device) >= c.length, c.pos.size(-1))
-            c.tokens.copy_((c.pos < c.pos.size(-1)).sum(-1, keepdim=True))
+            c._truncate(c.saved)
         raise
     finally:
         for c in caches:
@@ -761,9 +745,8 @@ def _all_or_nothing(caches):
 #   adds it in base 2, so finite values beyond +-finfo.max / log2(e), 2.4e38 in float32, count as that bound);
 #   integer masks are refused, as SDPA refuses them; is_causal with an attn_mask applies both (SDPA's math
 #   kernel refuses the pair);
-# - window_size=w: query i sees keys with |i - j| <= w (with is_causal: 0 <= i - j <= w);
-# - cu_seqlens, packed documents (self-attention): query i sees only the keys of its own document;
-# - alibi_slopes: ALiBi's bias, -slope * |i - j|; enable_gqa: k, v of H_kv heads, query head h reading h // G;
+# - window_size, cu_seqlens, alibi_slopes and enable_gqa as attention() gives them (a window with is_causal:
+#   0 <= i - j <= w; K/V head h // G serves query head h);
 # - SDPA's CausalBias as attn_mask: causal_lower_right(Lq, Lk) aligns causality, window, ALiBi bottom-right;
 # - dropout_p, scale, and under autocast float32 q, k, v computed and returned in autocast's dtype;
 # - in float16 and bfloat16 FlashAttention's rule: an error against float64 at most twice that of
@@ -1229,10 +1212,9 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     ALiBi's bias is made block by block; with enable_gqa K, V and their gradients keep H_kv heads, never
     repeated. Gradients flow to q, k, v and to a float attn_mask that requires grad; dropout's seed is drawn
     from the device's generator. return_lse: also lse = log sum_j exp(S_ij), (B, H, Lq), float32 or wider,
-    -inf where a query sees no key, differentiable: attention over disjoint sets of keys merges exactly by it,
-    as strided attention does (the ring's steps merge by the same rule, inside the block update). score_mod
-    and a BlockMask as attn_mask: FlexAttention's (flex_attention); score_mod sees q.k * scale, before ALiBi
-    and a float attn_mask are added."""
+    -inf where a query sees no key, differentiable: attention over disjoint sets of keys merges exactly by it
+    (strided attention, the ring). score_mod and a BlockMask as attn_mask: FlexAttention's (flex_attention);
+    score_mod sees q.k * scale, before ALiBi and a float attn_mask are added."""
     block_mask, attn_mask = (attn_mask, None) if isinstance(attn_mask, BlockMask) else (None, attn_mask)
     q, k, v, attn_mask, is_causal, shift, scale = _attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
@@ -1620,8 +1602,8 @@ _ELEMENTWISE = frozenset("""add sub mul truediv floordiv div mod remainder fmod 
     logical_not logical_xor bitwise_and bitwise_or bitwise_xor bitwise_not isnan isinf isneginf isposinf
     nan_to_num square erf relu softplus gelu silu masked_fill float double half bfloat16 int long bool to
     type_as""".split())
-_ELEMENTWISE |= {f"__{r}{op}__" for r in ("", "r") for op in "add sub mul truediv floordiv mod pow".split()}
-_ELEMENTWISE |= {f"__{r}{op}__" for r in ("", "r") for op in ("and", "or", "xor")}
+_ELEMENTWISE |= {f"__{r}{op}__" for r in ("", "r")
+                 for op in "add sub mul truediv floordiv mod pow and or xor".split()}
 _ELEMENTWISE |= {f"__{op}__" for op in "neg pos abs invert eq ne lt le gt ge".split()}
 
 
@@ -1656,9 +1638,8 @@ def _additive(gm):
             and not out.kwargs and list(score.users) == [out]):  # the score read once, by that sum
         return None, 0
     other, sign = (out.args[1], 1 if out.target in adds else -1) if out.args[0] is score else (out.args[0], 1)
-    if out.target in subs and out.args[0] is not score or not isinstance(other, torch.fx.Node):
-        return None, 0
-    if other is score:  # score + score
+    if (out.target in subs and out.args[0] is not score) or not isinstance(other, torch.fx.Node) or (
+            other is score):  # f - score, a constant added, or score + score
         return None, 0
     graph, copies = torch.fx.Graph(), {}
     graph.graph_copy(gm.graph, copies)
@@ -1825,8 +1806,7 @@ def _drop(t, keep_bits):
 # FlashAttention kernel: SDPA picks among FlashAttention, memory-efficient and cuDNN kernels (on CUDA any
 # attn_mask rules FlashAttention out), and where none accepts the inputs it falls back to its unfused math
 # kernel without a word; so we ask which kernel runs, about the very inputs it gets, and warn or raise before
-# the math kernel would. Under torch.compile, which picks its own, and where torch cannot tell (MPS, XPU),
-# SDPA runs unchecked.
+# the math kernel would.
 
 _KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
@@ -1936,10 +1916,8 @@ def _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_
 # rounds its scores to the bias's precision. A row whose every key carries -2^64 or less (Hugging Face's
 # finfo(float32).min, under causal masking with left padding) swamps its scores, even in float64: SDPA's
 # math gives it softmax(bias) V, with the gradients of the formula, in which the scores still count.
-# Flash gives it that too, with its scores switched off (_switch_off_scores). Where it cannot look (off the
-# CPU, under torch.compile) flash shifts every row (a copy of the mask, which the backward keeps) and
-# switches off scores for every row that might be swamped: a second half of the head dimension, about
-# twice the time, whenever k needs a gradient. A bool mask (True = may attend) costs none of this.
+# Flash gives it that too, with its scores switched off (_switch_off_scores); where it cannot look, for
+# every row that might be swamped. A bool mask (True = may attend) costs none of this.
 _FAR, _SWAMPING = 2.0**24, 2.0**64
 
 

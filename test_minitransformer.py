@@ -3083,7 +3083,7 @@ def test_chunk_size_is_refused_by_name_and_no_heads_with_enable_gqa_is_empty():
 def test_trained_inputs_of_a_grouped_query_model_are_its_q_k_v(tmp_path):
     # a checkpoint with n_kv_heads < n_heads: q of H heads, k and v of H_kv, as the layer computes them
     cfg = mt.EncoderConfig(vocab_size=16, max_len=16, d_model=64, n_heads=4, n_kv_heads=1, n_layers=1, d_ff=64)
-    model = mt.TokenClassifier(cfg)
+    model = train.TokenClassifier(cfg)
     path = str(tmp_path / "gqa.pt")
     torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(cfg), "optimizer": {}, "scaler": {},
                 "scheduler": {}, "step": 0, "rng": [], "train_config": {}, "world_size": 1}, path)
@@ -4267,7 +4267,7 @@ def test_cuda_encoder_and_a_training_step_never_make_the_host_wait(amp, pack):
     dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
     for impl in mt.IMPLS:
         torch.manual_seed(0)
-        model = mt.TokenClassifier(train.TrainConfig(**{**SMALL, "impl": impl}).model_config()).cuda()
+        model = train.TokenClassifier(train.TrainConfig(**{**SMALL, "impl": impl}).model_config()).cuda()
         optimizer = train.make_optimizer(model, 1e-3, 0.01)
         scaler = torch.amp.GradScaler("cuda", enabled=amp == "fp16")
 
@@ -5169,7 +5169,7 @@ def test_lr_factor_warms_up_then_decays():
 def test_weight_decay_reaches_matrices_only():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = mt.TokenClassifier(mt.EncoderConfig(vocab_size=10, max_len=8, d_model=32, n_heads=2, n_layers=1,
+        model = train.TokenClassifier(mt.EncoderConfig(vocab_size=10, max_len=8, d_model=32, n_heads=2, n_layers=1,
                                                     d_ff=64, pos_encoding="learned"))
     decay, no_decay = train.make_optimizer(model, 1e-3, 0.1).param_groups
     names = {id(p): name for name, p in model.named_parameters()}
@@ -5222,13 +5222,13 @@ def test_mixed_precision_training_follows_the_float32_run(amp, impl):
 
 def test_fp16_skipped_steps_are_counted(monkeypatch):
     # an inf in the logits of step 3 makes every gradient non-finite: GradScaler skips that step, the run goes on
-    forward, calls = mt.TokenClassifier.forward, []
+    forward, calls = train.TokenClassifier.forward, []
 
     def poisoned(self, idx, attn_mask=None, cu_seqlens=None):
         calls.append(1)
         logits = forward(self, idx, attn_mask, cu_seqlens)
         return logits * float("inf") if len(calls) == 3 else logits
-    monkeypatch.setattr(mt.TokenClassifier, "forward", poisoned)
+    monkeypatch.setattr(train.TokenClassifier, "forward", poisoned)
     lines = []
     res = train.train(train.TrainConfig(**{**SMALL, "steps": 10, "amp": "fp16", "log_every": 10}), log=lines.append)
     assert res["skipped_steps"] == 1 and any("skipped 1" in line for line in lines)
@@ -5348,14 +5348,14 @@ def test_corrupt_or_truncated_checkpoint_gives_a_clear_error(tmp_path):
 
 
 def test_non_finite_loss_stops_with_the_step_and_no_checkpoint(tmp_path, monkeypatch):
-    forward = mt.TokenClassifier.forward
+    forward = train.TokenClassifier.forward
     calls = []
 
     def poisoned(self, idx, attn_mask=None, cu_seqlens=None):
         calls.append(1)
         logits = forward(self, idx, attn_mask, cu_seqlens)
         return logits * float("nan") if len(calls) == 3 else logits
-    monkeypatch.setattr(mt.TokenClassifier, "forward", poisoned)
+    monkeypatch.setattr(train.TokenClassifier, "forward", poisoned)
     ckpt = tmp_path / "ck.pt"
     with pytest.raises(FloatingPointError, match=r"loss is nan \(gradient norm nan\) at step 3"):
         train.train(train.TrainConfig(**{**SMALL, "steps": 10, "out": str(ckpt), "save_every": 2}), log=quiet)
@@ -5470,7 +5470,7 @@ def test_torchrun_two_processes_keep_identical_parameters(tmp_path):
     # losses, as DDP's average of their gradients makes it; AdamW, clipping and the schedule as the defaults
     cfg = train.TrainConfig(steps=6)
     torch.manual_seed(cfg.seed)
-    model = mt.TokenClassifier(cfg.model_config())
+    model = train.TokenClassifier(cfg.model_config())
     opt = train.make_optimizer(model, cfg.lr, cfg.weight_decay)
     for step in range(6):
         for group in opt.param_groups:

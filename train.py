@@ -8,8 +8,8 @@ parallelism under torchrun.
     torchrun --standalone --nproc_per_node=2 minitransformer.py --steps 300 --device cpu
 
 Where each idea lives: mixed precision in _train (autocast) and optimizer_step (GradScaler, unscale, clip);
-warm-up in lr_factor; label smoothing in TrainConfig.label_smoothing; the model, TokenClassifier, and all of
-attention in minitransformer.py.
+warm-up in lr_factor; label smoothing in TrainConfig.label_smoothing; the encoder and all of attention in
+minitransformer.py.
 
 Reference: Micikevicius et al. 2018, "Mixed Precision Training": https://arxiv.org/abs/1710.03740
 """
@@ -27,10 +27,25 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minitransformer import IMPLS, POS_ENCODINGS, EncoderConfig, TokenClassifier, padding_mask
+from minitransformer import IMPLS, POS_ENCODINGS, Encoder, EncoderConfig, padding_mask
 
 
 PAD = 0  # token id of padding; real tokens are 1 .. vocab_size - 1
+
+
+class TokenClassifier(nn.Module):
+    """The task's model: minitransformer's Encoder plus a linear head, logits (B, T, vocab_size) for one
+    output token per position."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.encoder = Encoder(config)
+        self.head = nn.Linear(config.d_model, config.vocab_size)
+        nn.init.normal_(self.head.weight, std=0.02)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, idx, attn_mask=None, cu_seqlens=None):
+        return self.head(self.encoder(idx, attn_mask, cu_seqlens=cu_seqlens))
 
 
 def reverse_batch(B, min_len, max_len, vocab_size, gen):

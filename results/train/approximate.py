@@ -42,7 +42,7 @@ WHY = {
 def run(name):
     torch.manual_seed(0)
     cfg = tr.TrainConfig(heatmap=None)
-    model = mt.TokenClassifier(cfg.model_config())
+    model = tr.TokenClassifier(cfg.model_config())
     if name != "exact":
         head_dim = cfg.d_model // cfg.n_heads
         approx.use_in(model.encoder, lambda: approx.STRATEGIES[name](SETTINGS[name], cfg.max_len, head_dim))

@@ -42,11 +42,11 @@ def batch(task, B, min_len, max_len, vocab_size, gen):
 
 
 class Classifier(torch.nn.Module):
-    """minitransformer's TokenClassifier, its encoder causal for the shift task: logits (B, T, vocab_size)."""
+    """train.py's TokenClassifier, its encoder causal for the shift task: logits (B, T, vocab_size)."""
 
     def __init__(self, config, causal):
         super().__init__()
-        self.model, self.causal = mt.TokenClassifier(config), causal
+        self.model, self.causal = tr.TokenClassifier(config), causal
 
     def forward(self, x, attn_mask):
         return self.model.head(self.model.encoder(x, attn_mask, is_causal=self.causal))
