@@ -5,13 +5,14 @@ minitransformer: a Transformer encoder in one file, read top-down like a short p
    blockwise attention, forward and backward, in their plainest correct form, with only math and torch.
 2. The model: multi-head attention, positional encodings, the encoder layer, the config and the
    encoder, and a decoder's KV cache. Training it on a task that needs attention (mixed precision,
-   checkpoints, DDP) lives in train.py, which `python minitransformer.py` runs.
+   checkpoints, DDP) lives in train.py, which `python minitransformer.py` runs (kept beside this file).
 3. The appendix: the hardened paths that the model's attention runs through (attention(), impl=), each
    tested equal to the core: the same maths with everything real use asks for (masks, windows, packed
    documents, ALiBi, a user's FlexAttention mods, dropout, 16-bit dtypes, torch.compile). naive: the
    textbook formula; chunked: the blockwise algorithm with FlashAttention-2's precision recipe; flash:
-   PyTorch's fused kernels, never silently falling back. Every variant is a small rule over the positions of
-   queries and keys that all three read (Visibility). The input checks come last.
+   PyTorch's fused kernels, warning (or raising) before SDPA would fall back to its math kernel (outside
+   torch.compile). Every variant is a small rule over the positions of queries and keys that all three read
+   (Visibility). The input checks come last.
 ring_attention.py continues the chunked path across devices; approximate_attention.py holds the
 tutorials' approximate ways out; study.py measures what each path costs, and cost_model.py predicts it.
 
@@ -202,9 +203,10 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
               score_mod=None):
     """softmax(Q K^T * scale + M) V, equal to the core where both apply, through impl: one of IMPLS (the
     appendix's paths: "naive", the formula with its (Lq, Lk) scores; "chunked", the core's blockwise
-    algorithm in O(L) memory; "flash", PyTorch's fused kernels, which run that algorithm inside one kernel),
-    or a function with their arguments (ring_attention.ring_impl, approximate_attention's modules). M: 0
-    where a query sees a key and -inf where not, plus a float mask's values and ALiBi's bias.
+    algorithm in O(L) memory; "flash", PyTorch's fused kernels, which run that algorithm inside one kernel,
+    or outside torch.compile warn where SDPA falls back to its unfused math kernel), or a function with their
+    arguments (ring_attention.ring_impl, approximate_attention's modules). M: 0 where a query sees a key and
+    -inf where not, plus a float mask's values and ALiBi's bias.
 
     q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv). attn_mask: bool, True where a
     query may attend, or float, added to the scores, broadcast to (B, H, Lq, Lk); is_causal: query i sees keys
@@ -643,9 +645,7 @@ class KVCache:
         self.saved = None  # what an ongoing call restores if it raises (_all_or_nothing)
 
     def reset(self):
-        self.length.zero_()  # what the slots hold stays, hidden until written again
-        self.pos.fill_(self.pos.size(-1))
-        self.tokens.zero_()
+        self._truncate(0)  # what the slots hold stays, hidden until written again
 
     def rollback(self, n):
         """Drop the last n slots, each row's next position going back by its real tokens among them; or, n a
@@ -670,7 +670,7 @@ class KVCache:
     def _truncate(self, length):
         """Keep the first `length` slots; the others hold no token (position max_len). Recounts the tokens."""
         L = self.pos.size(-1)
-        self.length.copy_(length)
+        self.length.fill_(length)  # a number, or a 0-d tensor
         self.pos.masked_fill_(torch.arange(L, device=self.pos.device) >= self.length, L)  # (B, max_len)
         self.tokens.copy_((self.pos < L).sum(-1, keepdim=True))
 
@@ -2245,6 +2245,6 @@ def _check_batch_first(attn, torch_name, our_name):
                          "the flag), or transpose your inputs and set batch_first = True before converting.")
 
 
-if __name__ == "__main__":  # training, which lives in train.py (python minitransformer.py --help)
+if __name__ == "__main__":  # training, which lives in train.py beside this file (--help: its options)
     from train import parse_args, train
     train(parse_args())

@@ -32,7 +32,7 @@ BANDS = ((4, 32), (33, 48), (49, 64))
 
 
 def batch(task, B, min_len, max_len, vocab_size, gen):
-    """x, y (B, max_len) and lengths: the reversal task (minitransformer.reverse_batch), or its inputs with
+    """x, y (B, max_len) and lengths: the reversal task (train.reverse_batch), or its inputs with
     y_i = x_{i - SHIFT} (padding where i < SHIFT or i >= length, which the loss and the accuracy skip)."""
     x, y, lengths = tr.reverse_batch(B, min_len, max_len, vocab_size, gen)
     if task == "shift":
@@ -53,7 +53,7 @@ class Classifier(torch.nn.Module):
 
 
 def train(model, task, cfg):
-    """minitransformer's training step (AdamW, warm-up and cosine decay, label smoothing, clipping) on `task`'s
+    """train.py's training step (AdamW, warm-up and cosine decay, label smoothing, clipping) on `task`'s
     batches of cfg.min_len to cfg.max_len tokens, seed 0; returns the seconds it took."""
     optimizer = tr.make_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
