@@ -218,8 +218,8 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     FlexAttention's mods, a user's own variant (score_mod(score, b, h, q_idx, kv_idx) -> the new score; a
     BlockMask as attn_mask: the appendix's flex_attention), run on the chunked path whichever of IMPLS impl
     names; not with a function as impl."""
-    kw = dict(window_size=window_size, cu_seqlens=cu_seqlens)
-    kw |= {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}  # a function without it still runs
+    given = dict(window_size=window_size, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes)
+    kw = {name: x for name, x in given.items() if x is not None}  # a function without them runs (the core's)
     kw |= {"enable_gqa": True} if enable_gqa else {}
     if (score_mod is not None) or isinstance(attn_mask, BlockMask):
         if callable(impl):

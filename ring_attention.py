@@ -198,7 +198,7 @@ def ring_impl(group=None, layout="contiguous", chunk_size=None):
     return functools.partial(_ring_impl, group=group, layout=layout, chunk_size=chunk_size)
 
 
-def _ring_impl(q, k, v, attn_mask, dropout_p, is_causal, scale, *, window_size, cu_seqlens=None, alibi_slopes=None,
+def _ring_impl(q, k, v, attn_mask, dropout_p, is_causal, scale, *, window_size=None, cu_seqlens=None, alibi_slopes=None,
                enable_gqa=False, group, layout, chunk_size):
     if any(x is not None for x in (attn_mask, window_size, cu_seqlens, alibi_slopes)) or dropout_p > 0.0 or enable_gqa:
         raise ValueError(f"ring attention takes no attn_mask, no dropout, no window_size, no cu_seqlens, no "

@@ -1300,6 +1300,31 @@ def test_a_kv_cache_refuses_a_function_as_impl():
     assert cache.length.item() == 0
 
 
+def core_impl(q, k, v, attn_mask, dropout_p, is_causal, scale, **variants):  # README, "The core, to copy"
+    if dropout_p or scale is not None or variants:
+        raise ValueError(f"the core takes a bool mask and is_causal only, got {sorted(variants)}")
+    return mt.blockwise_attention(q, k, v, attn_mask, is_causal)
+
+
+def test_the_model_runs_on_the_core_through_a_function_impl():
+    # the README's wrapper: an Encoder whose attention is the core's blockwise_attention equals the same
+    # weights on the naive path, float64, with key padding, both causalities, and every parameter's gradient
+    cfg = dict(vocab_size=11, max_len=24, d_model=32, n_heads=2, d_ff=64)
+    torch.manual_seed(0)
+    ours = mt.Encoder(mt.EncoderConfig(**cfg, impl=core_impl)).double()
+    ref = mt.Encoder(mt.EncoderConfig(**cfg, impl="naive")).double()
+    ref.load_state_dict(ours.state_dict())
+    idx, mask = torch.randint(0, 11, (3, 24)), mt.padding_mask(torch.tensor([24, 17, 5]), 24)
+    for causal in (False, True):
+        got, want = ours(idx, mask, is_causal=causal), ref(idx, mask, is_causal=causal)
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+        grads = [torch.autograd.grad(y.square().sum(), list(m.parameters())) for y, m in ((got, ours), (want, ref))]
+        for g, w in zip(*grads, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-10, rtol=0)
+    with pytest.raises(ValueError, match="window_size"):  # what the core does not take reaches it, refused
+        mt.Encoder(mt.EncoderConfig(**cfg, impl=core_impl, window_size=4))(idx)
+
+
 def test_mha_checks_cu_seqlens_whatever_its_impl():
     # the module's boundary checks cu_seqlens: a function as impl, which gets them, may not check them
     mha = mt.MultiHeadAttention(32, 1, impl=lambda q, k, v, *args, **kw: v)
@@ -1462,13 +1487,18 @@ def test_bad_alibi_slopes_are_refused_by_name():
             mt.alibi_slopes(n_heads)
 
 
-def test_an_attention_impl_without_alibi_still_runs():
-    # attention() hands alibi_slopes= to an attention function only where it is given
+def test_an_attention_impl_gets_only_the_variants_a_call_uses():
+    # attention() hands window_size=, cu_seqlens=, alibi_slopes= and enable_gqa= to an attention function only
+    # where they are given: a function that takes none of them runs where none is used (the core, README)
     q, k, v = make_qkv(1, 2, 8, 8, 16)
+    got = []
 
-    def plain(q, k, v, attn_mask, dropout_p, is_causal, scale, *, window_size, cu_seqlens):
-        return mt.naive_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)[0]
+    def plain(q, k, v, attn_mask, dropout_p, is_causal, scale, **variants):
+        got.append(sorted(variants))
+        return mt.naive_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, **variants)[0]
     torch.testing.assert_close(mt.attention(q, k, v, impl=plain), reference(q, k, v), atol=1e-12, rtol=0)
+    mt.attention(q, k, v, impl=plain, window_size=0, alibi_slopes=mt.alibi_slopes(2))  # a window of 0 is given
+    assert got == [[], ["alibi_slopes", "window_size"]]
 
 
 @pytest.mark.parametrize("kernel", ["efficient", "cudnn", "unknown"])
