@@ -205,8 +205,8 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     appendix's paths: "naive", the formula with its (Lq, Lk) scores; "chunked", the core's blockwise
     algorithm in O(L) memory; "flash", PyTorch's fused kernels, which run that algorithm inside one kernel,
     or outside torch.compile warn where SDPA falls back to its unfused math kernel), or a function with their
-    arguments (ring_attention.ring_impl, approximate_attention's modules). M: 0 where a query sees a key and
-    -inf where not, plus a float mask's values and ALiBi's bias.
+    arguments, given only the variants a call sets (ring_attention.ring_impl, the approximate strategies, the
+    core: README). M: 0 where a query sees a key and -inf where not, plus a float mask and ALiBi's bias.
 
     q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv). attn_mask: bool, True where a
     query may attend, or float, added to the scores, broadcast to (B, H, Lq, Lk); is_causal: query i sees keys

@@ -1301,27 +1301,30 @@ def test_a_kv_cache_refuses_a_function_as_impl():
 
 
 def core_impl(q, k, v, attn_mask, dropout_p, is_causal, scale, **variants):  # README, "The core, to copy"
+    variants.pop("enable_gqa", None)  # the core takes fewer K/V heads as they are
     if dropout_p or scale is not None or variants:
-        raise ValueError(f"the core takes a bool mask and is_causal only, got {sorted(variants)}")
+        raise ValueError(f"the core takes a bool mask, is_causal and grouped K/V heads only: got dropout_p="
+                         f"{dropout_p}, scale={scale}, {sorted(variants)}")
     return mt.blockwise_attention(q, k, v, attn_mask, is_causal)
 
 
 def test_the_model_runs_on_the_core_through_a_function_impl():
     # the README's wrapper: an Encoder whose attention is the core's blockwise_attention equals the same
-    # weights on the naive path, float64, with key padding, both causalities, and every parameter's gradient
-    cfg = dict(vocab_size=11, max_len=24, d_model=32, n_heads=2, d_ff=64)
+    # weights on the naive path, float64, with key padding, both causalities, grouped K/V heads, three of the
+    # core's blocks of 64, and every parameter's gradient
+    cfg = dict(vocab_size=11, max_len=150, d_model=32, n_heads=2, n_kv_heads=1, d_ff=64)
     torch.manual_seed(0)
     ours = mt.Encoder(mt.EncoderConfig(**cfg, impl=core_impl)).double()
     ref = mt.Encoder(mt.EncoderConfig(**cfg, impl="naive")).double()
     ref.load_state_dict(ours.state_dict())
-    idx, mask = torch.randint(0, 11, (3, 24)), mt.padding_mask(torch.tensor([24, 17, 5]), 24)
+    idx, mask = torch.randint(0, 11, (3, 150)), mt.padding_mask(torch.tensor([150, 100, 5]), 150)
     for causal in (False, True):
         got, want = ours(idx, mask, is_causal=causal), ref(idx, mask, is_causal=causal)
         torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
         grads = [torch.autograd.grad(y.square().sum(), list(m.parameters())) for y, m in ((got, ours), (want, ref))]
         for g, w in zip(*grads, strict=True):
             torch.testing.assert_close(g, w, atol=1e-10, rtol=0)
-    with pytest.raises(ValueError, match="window_size"):  # what the core does not take reaches it, refused
+    with pytest.raises(ValueError, match=r"is_causal and grouped K/V heads only: .*\['window_size'\]"):  # refused
         mt.Encoder(mt.EncoderConfig(**cfg, impl=core_impl, window_size=4))(idx)
 
 
@@ -1498,7 +1501,8 @@ def test_an_attention_impl_gets_only_the_variants_a_call_uses():
         return mt.naive_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, **variants)[0]
     torch.testing.assert_close(mt.attention(q, k, v, impl=plain), reference(q, k, v), atol=1e-12, rtol=0)
     mt.attention(q, k, v, impl=plain, window_size=0, alibi_slopes=mt.alibi_slopes(2))  # a window of 0 is given
-    assert got == [[], ["alibi_slopes", "window_size"]]
+    mt.attention(q, k[:, :1], v[:, :1], impl=plain, cu_seqlens=torch.tensor([0, 3, 8]), enable_gqa=True)
+    assert got == [[], ["alibi_slopes", "window_size"], ["cu_seqlens", "enable_gqa"]]
 
 
 @pytest.mark.parametrize("kernel", ["efficient", "cudnn", "unknown"])
