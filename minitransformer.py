@@ -60,8 +60,8 @@ from torch.nn.attention.flex_attention import AuxOutput, BlockMask
 # core begins
 # Attention in its plainest correct form, forward and backward, as torch's F.scaled_dot_product_attention
 # (SDPA), in float32/64: q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv), or any
-# leading dimensions, alike in q, k, v (D: d_k). H_kv = H as in the paper, or fewer, shared (GQA: query head h
-# reads K/V head h // (H // H_kv)). A bool attn_mask, True where a query may attend, broadcasts to
+# leading dimensions, alike in q, k, v (D: d_k). H_kv = H as in the paper, or in 4-D fewer, shared (GQA: query
+# head h reads K/V head h // (H // H_kv)). A bool attn_mask, True where a query may attend, broadcasts to
 # (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk)); is_causal: query i sees keys j <= i, i and j from 0 even if
 # Lq != Lk (queries after Lk - Lq cached keys, a KV cache, need attn_mask: j <= i + Lk - Lq). No key seen: 0.
 
@@ -304,7 +304,7 @@ class MultiHeadAttention(nn.Module):
                   alibi_slopes=alibi_slopes(nh, x.device) if self.alibi else None)
         with _all_or_nothing([cache]):  # a call that raises leaves the cache as it was
             if cache is not None:  # all its slots, through one mask: causality, window, ALiBi by position
-                slopes = _check_alibi(kw["alibi_slopes"], q)  # (1, nh, 1, 1), float32 or wider
+                slopes = _checked_alibi(kw["alibi_slopes"], q)  # (1, nh, 1, 1), float32 or wider
                 k, v, attn_mask = cache.update(k, v, positions, attn_mask, self.window_size, slopes)
                 is_causal, kw["window_size"], kw["alibi_slopes"] = False, None, None  # in attn_mask now
             p = self.dropout if self.training else 0.0
@@ -1044,7 +1044,7 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     Causality top-left, or bottom-right with causal_lower_right; enable_gqa repeats K, V per query head."""
     q, k, v, attn_mask, is_causal, shift, scale = _attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
-    slopes = _check_alibi(alibi_slopes, q)
+    slopes = _checked_alibi(alibi_slopes, q)
     rules = named_rules(is_causal, window_size, cu_seqlens, slopes, q.size(-2), q.device)
     mask = Visibility(rules, shift, attn_mask=attn_mask).dense(q.size(-2), k.size(-2), q.device)
     if k.size(1) != q.size(1):  # grouped-query attention, written out: query head h reads K/V head h // G
@@ -1220,7 +1220,7 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
         q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
     cq, ck = _chunks(default_chunk_size(q.device, q.size(-2), q.dtype) if chunk_size is None else chunk_size)
     seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
-    alibi_slopes = _check_alibi(alibi_slopes, q)
+    alibi_slopes = _checked_alibi(alibi_slopes, q)
     if score_mod is not None or block_mask is not None:  # Python functions: no custom operator takes them
         cq, ck = (cq, ck) if block_mask is None else _check_block_mask(block_mask, q, k)
         shape, mods = (*q.shape[:-1], k.size(-2)), {}
@@ -1836,7 +1836,7 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     q, k, v, attn_mask, is_causal, shift, scale = _attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
     call = _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens,
-                      alibi_slopes=_check_alibi(alibi_slopes, q), shift=shift)
+                      alibi_slopes=_checked_alibi(alibi_slopes, q), shift=shift)
     if call.kernel == "math" and on_math != "allow":
         why = (f"no fused SDPA kernel accepts these inputs (device={q.device.type}, dtype={q.dtype}, "
                f"dropout_p={dropout_p}, mask={None if call.mask is None else call.mask.dtype}, "
@@ -1980,7 +1980,7 @@ def sdpa_kernel_name(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
     q, k, v, attn_mask, is_causal, shift, scale = _attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
     return _sdpa_plan(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens,
-                      alibi_slopes=_check_alibi(alibi_slopes, q), shift=shift).kernel
+                      alibi_slopes=_checked_alibi(alibi_slopes, q), shift=shift).kernel
 
 
 # -----------------------------------------------------------------------------
@@ -2118,7 +2118,7 @@ def _check_block_mask(block_mask, q, k):
     return cq, ck
 
 
-def _check_alibi(slopes, q):
+def _checked_alibi(slopes, q):
     """ALiBi's slopes as FlashAttention takes them (float32, (H,) or (B, H), non-negative constants), made
     (B or 1, H, 1, 1) in q's accumulation dtype; or a clear error."""
     if slopes is None:

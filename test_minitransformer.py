@@ -1520,7 +1520,7 @@ def test_flash_plans_alibi_rows_far_from_their_keys_for_cuda(kernel, dtype):
     bias = alibi_bias(slopes, 2048, 32, 1, 2)  # (1, 2, 2048, 32) float64
 
     def planned(q, k, v):
-        out, call = sdpa_as_planned_for_cuda(q, k, v, None, scale, kernel, mt._check_alibi(slopes, q))
+        out, call = sdpa_as_planned_for_cuda(q, k, v, None, scale, kernel, mt._checked_alibi(slopes, q))
         assert call.mask.dtype == dtype and call.q.size(-1) == 32  # a 16-bit copy; no second half: never swamped
         return out
     want = grads_of(lambda q, k, v: reference(q, k, v, bias=bias), q, k, v, dout)
