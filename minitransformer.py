@@ -247,9 +247,8 @@ class MultiHeadAttention(nn.Module):
     2 * n_kv_heads * hs (hs = C / n_heads, the tutorials' d_k), its weight laid out as
     nn.MultiheadAttention's in_proj_weight (with n_kv_heads = n_heads): q's rows, k's, then v's. n_kv_heads
     below n_heads: grouped-query attention (1: multi-query), a KV cache n_heads / n_kv_heads times smaller,
-    query head h reading K/V head h // (n_heads // n_kv_heads): consecutive query heads share one, as
-    Llama's repeat_kv (x-transformers cycles instead, h % n_kv_heads: its weights load here only with their
-    query heads reordered).
+    query head h reading K/V head h // (n_heads // n_kv_heads), as Llama's repeat_kv (x-transformers' h %
+    n_kv_heads loads here with its query heads reordered).
     impl: one of IMPLS, or an attention function (see attention()). rope: an optional RotaryEmbedding for q
     and k of every head; alibi: ALiBi's bias in every head (alibi_slopes, float32 whatever the module's);
     score_mod: FlexAttention's (flex_attention), a function, a module or a module's method: that module's
@@ -290,18 +289,27 @@ class MultiHeadAttention(nn.Module):
         _check_mha_call(self, x, attn_mask, is_causal, need_weights, positions, cu_seqlens, cache)
         B, T, C = x.size()
         nh, nkv, hs = self.n_heads, self.n_kv_heads, C // self.n_heads
-        q, k, v = self.qkv(x).split([C, nkv * hs, nkv * hs], dim=2)  # (B, T, C), (B, T, nkv*hs) twice
+        q, k, v = self.qkv(x).split([C, nkv * hs, nkv * hs], dim=2)  # X W^Q (B, T, C), X W^K and X W^V
         q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        y, weights = self._attend(q, k, v, attn_mask, is_causal, need_weights, positions, cu_seqlens, cache)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): Concat(head_1, ..., head_h)
+        y = self.proj(y)  # W^O
+        return (y, weights) if need_weights else y
+
+    def _attend(self, q, k, v, attn_mask, is_causal, need_weights, positions, cu_seqlens, cache):
+        """head_i = Attention(Q_i, K_i, V_i) of every head, q (B, nh, T, hs), k and v (B, nkv, T, hs) -> (B,
+        nh, T, hs), and forward's weights or None; RoPE turns q and k, a KVCache adds its slots' k and v."""
+        nh, nkv, T = q.size(1), k.size(1), q.size(2)
         if cache is not None and positions is None:
             positions = cache.positions(T, attn_mask)  # (B, T): each row's own
         elif positions is None and cu_seqlens is not None and self.rope is not None:  # RoPE's, per document
-            _, positions = documents(cu_seqlens, T, x.device)  # (ids, positions), restarting in each document
+            _, positions = documents(cu_seqlens, T, q.device)  # (ids, positions), restarting in each document
         if self.rope is not None:  # in one call, (B, nh + nkv, T, hs): a token's q and k share its position
             q, k = self.rope(torch.cat([q, k], dim=1), positions).split([nh, nkv], dim=1)
         kw = dict(window_size=self.window_size, cu_seqlens=cu_seqlens, enable_gqa=nkv != nh,
-                  alibi_slopes=alibi_slopes(nh, x.device) if self.alibi else None)
+                  alibi_slopes=alibi_slopes(nh, q.device) if self.alibi else None)
         with _all_or_nothing([cache]):  # a call that raises leaves the cache as it was
             if cache is not None:  # all its slots, through one mask: causality, window, ALiBi by position
                 slopes = _checked_alibi(kw["alibi_slopes"], q)  # (1, nh, 1, 1), float32 or wider
@@ -309,12 +317,9 @@ class MultiHeadAttention(nn.Module):
                 is_causal, kw["window_size"], kw["alibi_slopes"] = False, None, None  # in attn_mask now
             p = self.dropout if self.training else 0.0
             if need_weights:  # only the naive path materialises the weights
-                y, weights = naive_attention(q, k, v, attn_mask, p, is_causal, **kw)
-            else:
-                y = attention(q, k, v, attn_mask, p, is_causal, impl=self.impl, chunk_size=self.chunk_size,
-                              score_mod=self.score_mod, **kw)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
-        return (self.proj(y), weights) if need_weights else self.proj(y)
+                return naive_attention(q, k, v, attn_mask, p, is_causal, **kw)
+            return attention(q, k, v, attn_mask, p, is_causal, impl=self.impl, chunk_size=self.chunk_size,
+                             score_mod=self.score_mod, **kw), None
 
     @classmethod
     def from_torch(cls, m, impl="flash"):
@@ -542,8 +547,7 @@ class Encoder(nn.Module):
         if c.pos_encoding in ("rope", "alibi"):  # they act in the attention: only dropout here
             self.pos = nn.Dropout(c.dropout)
         else:
-            learned = c.pos_encoding == "learned"
-            pos = LearnedPositionalEncoding if learned else SinusoidalPositionalEncoding
+            pos = LearnedPositionalEncoding if c.pos_encoding == "learned" else SinusoidalPositionalEncoding
             self.pos = pos(c.d_model, c.max_len, c.dropout)
         self.layers = nn.ModuleList(
             EncoderLayer(c.d_model, c.n_heads, c.d_ff, c.dropout, c.norm_first, c.activation, c.impl,
@@ -632,9 +636,9 @@ class KVCache:
         tokens  (B, 1): each row's real tokens so far.
     attn_mask, of a MultiHeadAttention call that uses the cache: the call's key padding, (B, 1, 1, T) bool,
     which the cache keeps, or a mask over the max_len slots for that call alone (with T = max_len tokens, a
-    (B, 1, 1, T) bool mask is key padding). A call that raises leaves the cache as it was (its
-    length, its positions, and so what any query sees: the keys and values of slots past its length are
-    masked, never seen) on a CPU in eager mode; compiled or on CUDA, a device-side assert may stand in."""
+    (B, 1, 1, T) bool mask is key padding). A call that raises leaves the cache as it was (its length and
+    positions: the slots past its length stay masked) on a CPU in eager mode; compiled or on CUDA, a
+    device-side assert may stand in."""
 
     def __init__(self, batch_size, n_kv_heads, max_len, head_size, device=None, dtype=None):
         self.k = torch.zeros(batch_size, n_kv_heads, max_len, head_size, device=device, dtype=dtype)
@@ -2072,12 +2076,9 @@ def _check_mha_call(mha, x, attn_mask, is_causal, need_weights, positions, cu_se
         _check_positions(positions, x.size(1))
         if mha.alibi:
             raise ValueError("positions= with ALiBi: its bias is -slope * |i - j| for the tokens' places")
-    if need_weights and callable(mha.impl):
-        raise ValueError("need_weights computes the weights by naive attention on this module's own q, k, v: "
-                         "not with an attention function as impl (a ring sees a shard only)")
-    if cache is not None and callable(mha.impl):  # approximate_attention's read (B, 1, 1, L) as padding
-        raise ValueError("a KV cache hands attention its causality as a mask over the slots, which the "
-                         "paths of IMPLS read as such: not with an attention function as impl")
+    if (need_weights or cache is not None) and callable(mha.impl):
+        raise ValueError("need_weights (naive attention on this module's own q, k, v) or a KV cache (its "
+                         "causality as a mask over the slots): not with an attention function as impl")
     if ((mha.score_mod is not None) or isinstance(attn_mask, BlockMask)) and (need_weights or cache):
         raise ValueError("FlexAttention's mods (score_mod, a BlockMask) run on the chunked path: not with "
                          "need_weights (the naive path) or a KV cache, whose q_idx and kv_idx would be slots")
