@@ -2,7 +2,7 @@
 study.py: what attention really costs, predicted and measured on your own machine.
 
     python study.py                    # default sweep (CUDA if present, else CPU) -> runs/<device>/
-    python study.py --quick            # smoke run, about 16 s on a 2-core CPU -> runs/<device>-quick/
+    python study.py --quick            # smoke run, about 18 s on a 2-core CPU -> runs/<device>-quick/
     python study.py --predict --lengths 32768 --batch 8 --heads 16 --head-dim 128 --dtype bfloat16 --mem-budget 80
     python study.py --series ring2,ring4 --lengths 1024,4096    # ring attention across 2 and 4 processes
     python study.py --compare          # flash, chunked, chunked-causal timed side by side at n = 4096
@@ -554,12 +554,13 @@ class WorkerRunner:
         return {**results[0], **worst}  # per rank: the slowest rank's time, the largest memory
 
     def close(self):
+        """Tell every worker to stop. Not waited for: each exits on its own (a daemon process, ended at the
+        parent's exit if it has not), while the parent goes on (write_report)."""
         for other in self.others.values():
             other.close()
         for conn, proc in zip(self.conns, self.procs):
             if proc.is_alive():
                 conn.send(None)
-                proc.join(timeout=10)
 
 
 # -----------------------------------------------------------------------------
@@ -977,7 +978,8 @@ def main(argv=None, runner=None):
         elif budget_gib * 2**30 > (info["memory_bytes"] or math.inf):
             print(f"warning: --mem-budget {budget_gib:g} GiB is more than the {info['memory_bytes'] / 2**30:.1f} GiB "
                   "available now: the OS may stop the worker first (also recorded as out of memory)")
-        _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budget_gib, runner, out, command)
+        report = _sweep(args, p, info, dtype, lengths, series, batch, modes, budget_gib, runner, out, command)
+    write_report(*report)  # the workers told to stop: they exit while it draws
 
 
 def _report_only(p, out, command):
@@ -998,7 +1000,8 @@ def _report_only(p, out, command):
     write_report(csv_path, out, title, note)
 
 
-def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budget_gib, runner, out, command):
+def _sweep(args, p, info, dtype, lengths, series, batch, modes, budget_gib, runner, out, command):
+    """Measure every point into out/study.csv; returns write_report's arguments."""
     csv_path = os.path.join(out, "study.csv")
     title = (f"{info['label']}, {dtype}, torch {torch.__version__}, "
              f"{f'B={batch}' if not args.tokens else f'B*n={args.tokens}'}, H={args.heads}, D={args.head_dim}"
@@ -1040,7 +1043,7 @@ def _sweep_and_report(args, p, info, dtype, lengths, series, batch, modes, budge
         note += ("\n\nNot measured on this OS: rss_mib (it needs Linux's /proc/self to reset and read a peak RSS). "
                  "The memory wall is predicted (no RLIMIT_AS here): a point is not run when the memory model's "
                  "peak and the inputs exceed the budget.")
-    write_report(csv_path, out, title, note)
+    return csv_path, out, title, note
 
 
 def code_version():
