@@ -568,8 +568,7 @@ class Encoder(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):  # std 1/sqrt(d): times sqrt(d) in _embed, tokens have unit
-            # scale, as the sinusoidal and learned positions they are added to
+        elif isinstance(module, nn.Embedding):  # unit scale after _embed's sqrt(d), as the positions added
             nn.init.normal_(module.weight, std=module.embedding_dim ** -0.5 if module is self.embed else 1.0)
 
     def num_params(self):
@@ -914,7 +913,10 @@ class Visibility:
             s = s.add_(_finite_bias(m, s.dtype, LOG2E))
         if self.plan is not None:
             keep = self._block_mask(keep, rows, cols)
-        s = s if keep is None else s.masked_fill_(~keep, -math.inf)
+        if keep is not None and mod is None:  # -inf added, as SDPA does: a tenth of a CPU's masked_fill_ time
+            s = s.add_(torch.where(keep, 0.0, -math.inf))  # (a hidden NaN key gives NaN, as in SDPA)
+        elif keep is not None:  # where hidden, a score_mod may give inf or NaN, which only a fill hides
+            s = s.masked_fill_(~keep, -math.inf)
         return (s, pullback) if backward else s
 
     def dense(self, Lq, Lk, device):
@@ -2155,9 +2157,7 @@ def _check_mask(attn_mask, q, target):
         raise ValueError(f"attn_mask of shape {shape} does not broadcast to (B, H, Lq, Lk) = {tuple(target)}")
     if attn_mask.is_floating_point():  # only -inf hides a key; +inf or NaN would make its row NaN
         _check_range(attn_mask.detach(), -math.inf, math.inf, "a float attn_mask, added to the scores,")
-    if len(shape) < 2:  # (Lk,) or (): one row for every query, as broadcasting reads it
-        attn_mask = attn_mask.expand(1, target[-1])
-    return attn_mask
+    return attn_mask if len(shape) >= 2 else attn_mask.expand(1, Lk)  # (Lk,) or (): one row for all queries
 
 
 def _check_cu_seqlens(cu_seqlens, L):

@@ -2753,6 +2753,11 @@ def test_flex_mods_see_torchs_conventions():
     one, c = q[:1, :1, :1], torch.tensor(0.5, dtype=torch.float64)
     mt.flex_attention(one, one, one, lambda s, b, h, i, j: c)  # its (1, 1, 1, 1) result is c itself, a view
     assert c.item() == 0.5
+    causal = mt.create_block_mask(lambda b, h, i, j: j <= i, None, None, 8, 8, BLOCK_SIZE=4)
+    for bad in (math.inf, math.nan):  # what a mask hides is hidden whatever score_mod makes of it, as torch's
+        wild = lambda s, b, h, i, j, bad=bad: torch.where(j > i, bad, s)  # noqa: E731
+        torch.testing.assert_close(mt.flex_attention(q, q, q, wild, causal),
+                                   torch_flex.flex_attention(q, q, q, block_mask=causal), atol=1e-10, rtol=0)
     leaves = [t.clone().requires_grad_() for t in (q, q, q)]
     none_left = mt.create_block_mask(lambda b, h, i, j: (i != 3) & (j > i - 100), None, None, 8, 8, BLOCK_SIZE=4)
     for kw in (dict(block_mask=none_left), dict(score_mod=lambda s, b, h, i, j: torch.where(i == 3, -math.inf, s))):
