@@ -282,10 +282,10 @@ class MultiHeadAttention(nn.Module):
 
         attn_mask: bool, True where a query may attend, or float, added to the scores, broadcast to (B, nh, T,
         T): key padding is (B, 1, 1, T); or FlexAttention's BlockMask. is_causal: query i sees keys j <= i.
-        positions: the (T,) positions of x's rows, for RoPE (default 0 .. T-1, or each document's of
-        cu_seqlens). cache: a causal decoder's KVCache: the call's k and v go into its next slots, and the
-        queries attend to every slot written; the tokens sit at positions (B, T), each row's own, if given
-        (an Encoder gives every layer those of its first cache), else where the cache counts them."""
+        cu_seqlens: documents packed in every row (documents()), each attending only within itself.
+        positions: the (T,) positions of x's rows, for RoPE (default 0 .. T-1, or each document's own).
+        cache: a causal decoder's KVCache: the call's k and v go into its next slots, and the queries attend
+        to every slot written; positions are then (B, T), each row's own (default: where the cache counts)."""
         _check_mha_call(self, x, attn_mask, is_causal, need_weights, positions, cu_seqlens, cache)
         B, T, C = x.size()
         nh, nkv, hs = self.n_heads, self.n_kv_heads, C // self.n_heads
@@ -300,7 +300,8 @@ class MultiHeadAttention(nn.Module):
 
     def _attend(self, q, k, v, attn_mask, is_causal, need_weights, positions, cu_seqlens, cache):
         """head_i = Attention(Q_i, K_i, V_i) of every head, q (B, nh, T, hs), k and v (B, nkv, T, hs) -> (B,
-        nh, T, hs), and forward's weights or None; RoPE turns q and k, a KVCache adds its slots' k and v."""
+        nh, T, hs), and forward's weights or None: attention(q, k, v, attn_mask, p, is_causal), but that RoPE
+        turns q and k first, ALiBi adds its slopes, and a KVCache adds its slots' k and v."""
         nh, nkv, T = q.size(1), k.size(1), q.size(2)
         if cache is not None and positions is None:
             positions = cache.positions(T, attn_mask)  # (B, T): each row's own
@@ -349,8 +350,7 @@ class MultiHeadAttention(nn.Module):
 class SinusoidalPositionalEncoding(nn.Module):
     """x + PE,  PE(pos, 2i) = sin(pos / 10000^(2i/d_model)),  PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)).
 
-    x: (B, T, d_model), T <= max_len. Fixed, not learned; dropout after the sum as in the paper.
-    """
+    x: (B, T, d_model), T <= max_len. Fixed, not learned; dropout after the sum as in the paper."""
 
     def __init__(self, d_model, max_len, dropout=0.0):
         super().__init__()
@@ -386,8 +386,7 @@ class RotaryEmbedding(nn.Module):
     (x_{2i}, x_{2i+1}); halves, as Llama and GPT-NeoX: the same attention, the dimensions permuted).
 
     x: (B, heads, T, hs) -> same shape. The score q_m . k_n then depends on positions only through m - n,
-    so no position is added to the token embedding; a KVCache keeps keys rotated, never rotated again.
-    """
+    so no position is added to the token embedding; a KVCache keeps keys rotated, never rotated again."""
 
     def __init__(self, head_size, max_len, base=10000.0):
         super().__init__()
@@ -568,7 +567,8 @@ class Encoder(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):  # unit scale after _embed's sqrt(d), as the positions added
+        elif isinstance(module, nn.Embedding):  # std 1/sqrt(d): times sqrt(d) in _embed, tokens have unit
+            # scale, as the sinusoidal and learned positions they are added to
             nn.init.normal_(module.weight, std=module.embedding_dim ** -0.5 if module is self.embed else 1.0)
 
     def num_params(self):
@@ -913,10 +913,8 @@ class Visibility:
             s = s.add_(_finite_bias(m, s.dtype, LOG2E))
         if self.plan is not None:
             keep = self._block_mask(keep, rows, cols)
-        if keep is not None and mod is None:  # -inf added, as SDPA does: a tenth of a CPU's masked_fill_ time
-            s = s.add_(torch.where(keep, 0.0, -math.inf))  # (a hidden NaN key gives NaN, as in SDPA)
-        elif keep is not None:  # where hidden, a score_mod may give inf or NaN, which only a fill hides
-            s = s.masked_fill_(~keep, -math.inf)
+        if keep is not None:  # a select: -inf where hidden, whatever s held (faster than a fill on a CPU)
+            s = torch.where(keep, s, s.new_full((), -math.inf), out=s)
         return (s, pullback) if backward else s
 
     def dense(self, Lq, Lk, device):
@@ -2078,9 +2076,10 @@ def _check_mha_call(mha, x, attn_mask, is_causal, need_weights, positions, cu_se
         _check_positions(positions, x.size(1))
         if mha.alibi:
             raise ValueError("positions= with ALiBi: its bias is -slope * |i - j| for the tokens' places")
-    if (need_weights or cache is not None) and callable(mha.impl):
-        raise ValueError("need_weights (naive attention on this module's own q, k, v) or a KV cache (its "
-                         "causality as a mask over the slots): not with an attention function as impl")
+    if (need_weights or cache is not None) and callable(mha.impl):  # a ring sees a shard only
+        what = ("need_weights (naive attention computes the weights, on this module's own q, k, v)" if
+                need_weights else "a KV cache (it hands attention its causality as a mask over the slots)")
+        raise ValueError(f"{what}: not with an attention function as impl")
     if ((mha.score_mod is not None) or isinstance(attn_mask, BlockMask)) and (need_weights or cache):
         raise ValueError("FlexAttention's mods (score_mod, a BlockMask) run on the chunked path: not with "
                          "need_weights (the naive path) or a KV cache, whose q_idx and kv_idx would be slots")

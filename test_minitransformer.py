@@ -1867,7 +1867,7 @@ def test_a_kv_cache_takes_masks_over_its_slots_and_refuses_before_writing(impl):
         with pytest.raises(ValueError, match=r"positions with a KV cache \(its max_len\) must lie in \[0, 12\)"):
             mha(x[:, :1], is_causal=True, positions=torch.tensor([[3], [12]]), cache=cache)
         mha.impl = lambda *args, **kw: mt.attention(*args, **kw)
-        with pytest.raises(ValueError, match=r"need_weights \(naive attention .*: not with an attention function as impl"):
+        with pytest.raises(ValueError, match=r"need_weights \(naive attention computes the weights.*not with an attention function as impl"):
             mha(x[:, :1], is_causal=True, need_weights=True, cache=cache)
         for before, after in zip(state, (cache.k, cache.v, cache.length)):
             assert torch.equal(before, after)
@@ -2765,6 +2765,22 @@ def test_flex_mods_see_torchs_conventions():
         grads = torch.autograd.grad(out.sum() + lse[lse.isfinite()].sum(), leaves)
         assert (out[:, :, 3] == 0).all() and torch.isneginf(lse[:, :, 3]).all() and out.isfinite().all()
         assert all((g[:, :, 3] == 0).all() for g in grads[:1]) and all(g.isfinite().all() for g in grads)
+
+
+def test_a_hidden_key_reaches_no_query_whatever_it_holds():
+    # a NaN or inf in a key hidden from a query (by causality, or padding) leaves that query's row as naive gives it,
+    # at every block size: hidden means selected out, never added to (NaN + -inf is NaN)
+    q, k, v = make_qkv(1, 2, 16, 16, 8, seed=3)
+    pad = torch.ones(1, 1, 1, 16, dtype=torch.bool)
+    pad[..., 15] = False
+    for bad in (math.nan, math.inf):
+        k[:, :, 15] = bad
+        for kw in (dict(is_causal=True), dict(attn_mask=pad)):
+            ref = mt.naive_attention(q, k, v, **kw)[0]
+            assert ref[:, :, :15].isfinite().all()  # only the causal row 15 sees the key
+            for chunk_size in (4, 8, 16):
+                out = mt.chunked_attention(q, k, v, chunk_size=chunk_size, **kw)
+                torch.testing.assert_close(out, ref, atol=1e-10, rtol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("name", ["window", "documents", "ALiBi", "causal, top-left", "causal, bottom-right"])
