@@ -282,10 +282,11 @@ class MultiHeadAttention(nn.Module):
 
         attn_mask: bool, True where a query may attend, or float, added to the scores, broadcast to (B, nh, T,
         T): key padding is (B, 1, 1, T); or FlexAttention's BlockMask. is_causal: query i sees keys j <= i.
-        cu_seqlens: documents packed in every row (documents()), each attending only within itself.
-        positions: the (T,) positions of x's rows, for RoPE (default 0 .. T-1, or each document's own).
-        cache: a causal decoder's KVCache: the call's k and v go into its next slots, and the queries attend
-        to every slot written; positions are then (B, T), each row's own (default: where the cache counts)."""
+        cu_seqlens: documents packed in every sequence, offsets [0, T_1, T_1 + T_2, .., T] (documents()), each
+        attending only within itself. positions: the (T,) positions of x's tokens, for RoPE (default 0 .. T-1,
+        or each document's own). cache: a causal decoder's KVCache: the call's k and v go into its next slots,
+        and the queries attend to every slot written; positions are then (B, T), each sequence's own (default:
+        where the cache counts them)."""
         _check_mha_call(self, x, attn_mask, is_causal, need_weights, positions, cu_seqlens, cache)
         B, T, C = x.size()
         nh, nkv, hs = self.n_heads, self.n_kv_heads, C // self.n_heads
@@ -300,8 +301,8 @@ class MultiHeadAttention(nn.Module):
 
     def _attend(self, q, k, v, attn_mask, is_causal, need_weights, positions, cu_seqlens, cache):
         """head_i = Attention(Q_i, K_i, V_i) of every head, q (B, nh, T, hs), k and v (B, nkv, T, hs) -> (B,
-        nh, T, hs), and forward's weights or None: attention(q, k, v, attn_mask, p, is_causal), but that RoPE
-        turns q and k first, ALiBi adds its slopes, and a KVCache adds its slots' k and v."""
+        nh, T, hs), and forward's weights or None: attention(q, k, v, attn_mask, dropout, is_causal), except
+        that RoPE turns q and k first, ALiBi adds -slope * |i - j|, and a KVCache adds its slots' k and v."""
         nh, nkv, T = q.size(1), k.size(1), q.size(2)
         if cache is not None and positions is None:
             positions = cache.positions(T, attn_mask)  # (B, T): each row's own
@@ -2076,7 +2077,7 @@ def _check_mha_call(mha, x, attn_mask, is_causal, need_weights, positions, cu_se
         _check_positions(positions, x.size(1))
         if mha.alibi:
             raise ValueError("positions= with ALiBi: its bias is -slope * |i - j| for the tokens' places")
-    if (need_weights or cache is not None) and callable(mha.impl):  # a ring sees a shard only
+    if (need_weights or cache is not None) and callable(mha.impl):
         what = ("need_weights (naive attention computes the weights, on this module's own q, k, v)" if
                 need_weights else "a KV cache (it hands attention its causality as a mask over the slots)")
         raise ValueError(f"{what}: not with an attention function as impl")

@@ -2768,8 +2768,8 @@ def test_flex_mods_see_torchs_conventions():
 
 
 def test_a_hidden_key_reaches_no_query_whatever_it_holds():
-    # a NaN or inf in a key hidden from a query (by causality, or padding) leaves that query's row as naive gives it,
-    # at every block size: hidden means selected out, never added to (NaN + -inf is NaN)
+    # a NaN or inf in a key hidden from a query (by causality, or a bool padding mask) leaves that query's row as naive
+    # gives it, at every block size: such a key is selected out, never added -inf to (NaN + -inf is NaN)
     q, k, v = make_qkv(1, 2, 16, 16, 8, seed=3)
     pad = torch.ones(1, 1, 1, 16, dtype=torch.bool)
     pad[..., 15] = False
