@@ -60,10 +60,10 @@ from torch.nn.attention.flex_attention import AuxOutput, BlockMask
 # core begins
 # Attention in its plainest correct form, forward and backward, as torch's F.scaled_dot_product_attention
 # (SDPA), in float32/64: q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv), or any
-# leading dimensions, alike in q, k, v (D: d_k). H_kv = H as in the paper, or in 4-D fewer, shared (GQA: query
-# head h reads K/V head h // (H // H_kv)). A bool attn_mask, True where a query may attend, broadcasts to
-# (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk)); is_causal: query i sees keys j <= i, i and j from 0 even if
-# Lq != Lk (queries after Lk - Lq cached keys, a KV cache, need attn_mask: j <= i + Lk - Lq). No key seen: 0.
+# leading dimensions, alike in q, k, v (D: d_k). H_kv = H as in the paper; in 4-D it may be a divisor of H
+# (GQA: query head h reads K/V head h // (H // H_kv)). A bool attn_mask, True where a query may attend,
+# broadcasts to (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk)); is_causal: query i sees keys j <= i, both counted
+# from 0 (a KV cache's new queries need attn_mask j <= i + Lk - Lq instead). A query that sees no key gets 0.
 
 
 def standard_attention(q, k, v, attn_mask=None, is_causal=False):
@@ -169,7 +169,7 @@ def _block_scores(q, k, keep, is_causal, rows, cols):
 def _repeat_kv(q, k, v, attn_mask):
     """The core's inputs checked, then k and v with a head for every query head h: K/V head h // G (grouped-
     query attention, G = H / H_kv, on the head axis of (B, H, L, D) only). Refused: 16 bits and autocast
-    (their sums are far off), a float attn_mask, a K/V of another rank (it would broadcast over the batch)."""
+    (their sums are far off), a float attn_mask, k or v of another ndim than q (it would broadcast over B)."""
     autocast = torch.is_autocast_enabled(q.device.type)
     if q.dtype not in (torch.float32, torch.float64) or autocast:
         raise TypeError(f"the core computes in float32 or float64 outside autocast, got {q.dtype}"
@@ -202,10 +202,10 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
               window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None, enable_gqa=False,
               score_mod=None):
     """softmax(Q K^T * scale + M) V, equal to the core where both apply, through impl: one of IMPLS (the
-    appendix's paths: "naive", the formula with its (Lq, Lk) scores; "chunked", the core's blockwise
-    algorithm in O(L) memory; "flash", PyTorch's fused kernels, which run that algorithm inside one kernel,
-    or outside torch.compile warn where SDPA falls back to its unfused math kernel), or a function with their
-    arguments, given only the variants a call sets (ring_attention.ring_impl, the approximate strategies, the
+    appendix's paths: "naive", the formula with its (Lq, Lk) scores; "chunked", the core's blockwise algorithm
+    in O(L) memory; "flash", PyTorch's fused kernels, which run that algorithm inside one kernel, or outside
+    torch.compile warn where SDPA falls back to its unfused math kernel), or a function taking their
+    arguments, a variant's keyword only when set (ring_attention.ring_impl, the approximate strategies, the
     core: README). M: 0 where a query sees a key and -inf where not, plus a float mask and ALiBi's bias.
 
     q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv). attn_mask: bool, True where a
