@@ -898,8 +898,10 @@ class Visibility:
         if mod is not None and mod.bias is not None:  # score + f: f added in place, in base 2
             learned = backward and bool(mod.learned(self.score_inputs))
             with torch.set_grad_enabled(learned):  # a learned f's graph: the pullback follows it
-                f = mod.bias(None, *mod.indices(rows, cols), *self.score_inputs)
-            s = s.add_(f.detach(), alpha=mod.sign * LOG2E)
+                f = mod.bias(None, *mod.indices(rows, cols), *self.score_inputs)  # f, or (a, b): f = a * b
+                f = f[0] * f[1] if learned and isinstance(f, tuple) else f
+            s = (torch.addcmul(s, *f, value=mod.sign * LOG2E, out=s) if isinstance(f, tuple)
+                 else s.add_(f.detach(), alpha=mod.sign * LOG2E))
             pullback = self._bias_pullback(f) if learned else None
         elif mod is not None:  # in nats, then base 2 in a new tensor: the mod's result may be a view
             s, pullback = self._pullback(s, rows, cols) if backward else (
@@ -992,12 +994,9 @@ class Visibility:
     def _bias_pullback(self, f):
         """For score + f, f made on a block under autograd: ds passes through unchanged; the stand-ins that
         require grad get f's share of it."""
-        mod = self.score_mod
-
         def pullback(ds):
-            learned = mod.learned(self.score_inputs)
-            df = ds.sum_to_size(f.shape)  # ds itself where f has the block's shape: never written to
-            torch.autograd.backward(f, df if mod.sign > 0 else -df, inputs=learned)
+            df, mod = ds.sum_to_size(f.shape), self.score_mod  # df: ds itself where f has the block's shape
+            torch.autograd.backward(f, df if mod.sign > 0 else -df, inputs=mod.learned(self.score_inputs))
             return ds
         return pullback
 
@@ -1274,8 +1273,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                              "v of q's batch, or of batch 1 beside a BlockMask of q's batch")
         key, value = (t.expand(query.size(0), *t.shape[1:]) for t in (key, value))  # their gradient summed
     if return_aux is not None and (return_lse or return_aux.max_scores):
-        raise ValueError("return_aux: not with return_lse (as torch), nor max_scores, which this path never "
-                         "keeps")
+        raise ValueError("return_aux: not with return_lse (as torch), nor max_scores (this path keeps none)")
     lse = return_lse or (return_aux is not None and return_aux.lse)
     out = chunked_attention(query, key, value, block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=lse,
                             score_mod=score_mod)
@@ -1572,9 +1570,7 @@ class _Mod:
         i, j = (torch.arange(r.start, r.stop, device=self.b.device, dtype=torch.int32) for r in (rows, cols))
         return self.b.view(-1, 1, 1, 1), self.h.view(1, -1, 1, 1), i.view(1, 1, -1, 1), j.view(1, 1, 1, -1)
 
-    @staticmethod
-    def learned(inputs):
-        return [t for t in inputs if t.requires_grad]
+    learned = staticmethod(lambda inputs: [t for t in inputs if t.requires_grad])  # of the tensors it reads
 
     def _learned(self, dtype):
         """Whether the mod, on one key, reads a tensor that requires grad (autograd tells, however read)."""
@@ -1633,8 +1629,9 @@ def _elementwise(gm):
 
 def _additive(gm):
     """(f, sign) where the traced score_mod gm is score + sign * f(b, h, q_idx, kv_idx), a bias (ALiBi, a
-    relative table): f, gm's graph cut to what the bias reads, takes gm's arguments and ignores the score;
-    else (None, 0)."""
+    relative table): f, gm's graph cut to what the bias reads, takes gm's arguments, ignores the score and
+    returns the bias, or (a, b) where it is a * b (slopes[h] * distance), which addcmul adds unmade; else
+    (None, 0)."""
     nodes = list(gm.graph.nodes)
     score, out = nodes[0], nodes[-1].args[0]
     adds = (operator.add, torch.add, "add", "add_", "__add__", "__radd__")
@@ -1646,9 +1643,11 @@ def _additive(gm):
     if (out.target in subs and out.args[0] is not score) or not isinstance(other, torch.fx.Node) or (
             other is score):  # f - score, a constant added, or score + score
         return None, 0
+    factors = other.target in (operator.mul, torch.mul, "mul", "__mul__", "__rmul__") and not other.kwargs
+    factors = factors and all(isinstance(a, torch.fx.Node) for a in other.args)  # f = a * b
     graph, copies = torch.fx.Graph(), {}
     graph.graph_copy(gm.graph, copies)
-    graph.output(copies[other])
+    graph.output(tuple(copies[a] for a in other.args) if factors else copies[other])
     graph.eliminate_dead_code()
     return torch.fx.GraphModule(gm, graph).forward, sign
 
@@ -1703,8 +1702,8 @@ def _block_plan(block_mask, Lk):
         if num is not None:  # each row's first num indices; the rest to an extra column, dropped after
             listed = torch.arange(idx.size(-1), device=idx.device) < num[..., None]
             if not (((idx >= 0) & (idx < nk)) | ~listed).all():
-                raise ValueError(f"a BlockMask lists key blocks outside the {nk} of BLOCK_SIZE {ck} for {Lk} "
-                                 "keys")
+                raise ValueError(f"a BlockMask lists key blocks outside the {nk} of BLOCK_SIZE {ck} for "
+                                 f"{Lk} keys")
             states.scatter_(-1, idx.long().masked_fill(~listed, nk), value)
     states = states[..., :nk]  # (B, H, nq, nk)
     seen, partial, full = [x.tolist() for x in ((states > 0).any((0, 1)), (states == 1).any((0, 1)),
