@@ -896,11 +896,12 @@ class Visibility:
         the identity)."""
         mod, pullback = self.score_mod, None
         if mod is not None and mod.bias is not None:  # score + f: f added in place, in base 2
-            learned = backward and bool(mod.learned(self.score_inputs))
+            learned = backward and any(t.requires_grad for t in self.score_inputs)
             with torch.set_grad_enabled(learned):  # a learned f's graph: the pullback follows it
                 f = mod.bias(None, *mod.indices(rows, cols), *self.score_inputs)  # f, or (a, b): f = a * b
-                f = f[0] * f[1] if learned and isinstance(f, tuple) else f
-            s = (torch.addcmul(s, *f, value=mod.sign * LOG2E, out=s) if isinstance(f, tuple)
+                if isinstance(f, tuple) and (learned or torch.result_type(*f).itemsize < s.element_size()):
+                    f = f[0] * f[1]  # made where addcmul would multiply wider than the mod, or for its graph
+            s = (torch.addcmul(s, *f, value=mod.sign * LOG2E, out=s) if isinstance(f, tuple)  # f never made
                  else s.add_(f.detach(), alpha=mod.sign * LOG2E))
             pullback = self._bias_pullback(f) if learned else None
         elif mod is not None:  # in nats, then base 2 in a new tensor: the mod's result may be a view
@@ -987,7 +988,8 @@ class Visibility:
 
         def pullback(ds):  # backward, not grad: inside an outer autograd.grad FlopCounterMode refuses grad
             if out.requires_grad:  # else the mod reads neither its score nor a tensor that requires grad
-                torch.autograd.backward(out, ds, inputs=[s, *self.score_mod.learned(self.score_inputs)])
+                learned = [t for t in self.score_inputs if t.requires_grad]
+                torch.autograd.backward(out, ds, inputs=[s, *learned])
             return torch.zeros_like(s) if s.grad is None else s.grad
         return out.detach(), pullback
 
@@ -995,8 +997,9 @@ class Visibility:
         """For score + f, f made on a block under autograd: ds passes through unchanged; the stand-ins that
         require grad get f's share of it."""
         def pullback(ds):
-            df, mod = ds.sum_to_size(f.shape), self.score_mod  # df: ds itself where f has the block's shape
-            torch.autograd.backward(f, df if mod.sign > 0 else -df, inputs=mod.learned(self.score_inputs))
+            df = ds.sum_to_size(f.shape)  # ds itself where f has the block's shape: never written to
+            learned = [t for t in self.score_inputs if t.requires_grad]
+            torch.autograd.backward(f, df if self.score_mod.sign > 0 else -df, inputs=learned)
             return ds
         return pullback
 
@@ -1520,7 +1523,7 @@ class _Mod:
             raise ValueError(f"{name}: a TorchScript function, which cannot be traced: pass it as Python")
         self.name, self.score, self.fn, self.inputs, self.in_place = name, name == "score_mod", mod, (), True
         self.b, self.h = (torch.arange(n, device=device, dtype=torch.int32) for n in shape[:2])
-        self.bias, self.sign, gm, untraced = None, 0, None, None
+        gm, untraced = None, None
         if not torch.compiler.is_compiling():
             try:
                 gm, reads = _traced(mod, self.score)
@@ -1534,7 +1537,6 @@ class _Mod:
                 if self.score and subclass is not None:  # its __torch_function__ may read what no graph shows
                     raise ValueError(f"score_mod reads a {type(subclass).__name__}, a tensor subclass: pass "
                                      "a plain tensor")
-                self.bias, self.sign = _additive(gm) if self.score else (None, 0)
         self.vmapped = self.fn
         for n in (3, 2, 1, 0):  # kv_idx innermost, b outermost; the score mapped along with each
             dims = tuple(0 if d == n else None for d in range(4)) + (None,) * len(self.inputs)
@@ -1549,7 +1551,7 @@ class _Mod:
                              "it takes torch.fx, which runs outside the compiled graph (compile around the "
                              "attention: torch.compiler.disable)")
         self.broadcast = gm is not None and _elementwise(gm) and self._broadcasts(shape, dtype)
-        self.bias = self.bias if self.broadcast else None
+        self.bias, self.sign = _additive(gm) if self.score and self.broadcast else (None, 0)
 
     def __call__(self, s, rows, cols, inputs, broadcast=None):
         args, (b, h, i, j) = [] if s is None else [s], self.indices(rows, cols)
@@ -1569,8 +1571,6 @@ class _Mod:
         """b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, rows, 1) and kv_idx (1, 1, 1, cols), broadcast."""
         i, j = (torch.arange(r.start, r.stop, device=self.b.device, dtype=torch.int32) for r in (rows, cols))
         return self.b.view(-1, 1, 1, 1), self.h.view(1, -1, 1, 1), i.view(1, 1, -1, 1), j.view(1, 1, 1, -1)
-
-    learned = staticmethod(lambda inputs: [t for t in inputs if t.requires_grad])  # of the tensors it reads
 
     def _learned(self, dtype):
         """Whether the mod, on one key, reads a tensor that requires grad (autograd tells, however read)."""
@@ -1630,8 +1630,8 @@ def _elementwise(gm):
 def _additive(gm):
     """(f, sign) where the traced score_mod gm is score + sign * f(b, h, q_idx, kv_idx), a bias (ALiBi, a
     relative table): f, gm's graph cut to what the bias reads, takes gm's arguments, ignores the score and
-    returns the bias, or (a, b) where it is a * b (slopes[h] * distance), which addcmul adds unmade; else
-    (None, 0)."""
+    returns the bias, or the pair (a, b) where the bias is a product a * b (slopes[h] * distance), so that
+    Visibility.scores can add it by torch.addcmul without making it; else (None, 0)."""
     nodes = list(gm.graph.nodes)
     score, out = nodes[0], nodes[-1].args[0]
     adds = (operator.add, torch.add, "add", "add_", "__add__", "__radd__")
@@ -1643,11 +1643,11 @@ def _additive(gm):
     if (out.target in subs and out.args[0] is not score) or not isinstance(other, torch.fx.Node) or (
             other is score):  # f - score, a constant added, or score + score
         return None, 0
-    factors = other.target in (operator.mul, torch.mul, "mul", "__mul__", "__rmul__") and not other.kwargs
-    factors = factors and all(isinstance(a, torch.fx.Node) for a in other.args)  # f = a * b
+    product = other.target in (operator.mul, torch.mul, "mul", "__mul__", "__rmul__") and not other.kwargs
+    product = product and all(isinstance(a, torch.fx.Node) for a in other.args)  # a constant: not a factor
     graph, copies = torch.fx.Graph(), {}
     graph.graph_copy(gm.graph, copies)
-    graph.output(tuple(copies[a] for a in other.args) if factors else copies[other])
+    graph.output(tuple(copies[a] for a in other.args) if product else copies[other])
     graph.eliminate_dead_code()
     return torch.fx.GraphModule(gm, graph).forward, sign
 

@@ -2357,6 +2357,25 @@ def test_flex_gradients_reach_the_tensors_score_mod_reads(masked):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=lambda m: f"{name}, {what}: {m}")
 
 
+def test_flex_bias_products_are_made_in_the_mods_dtype():
+    # score - slopes[h] * |i - j| is added without making the product (addcmul), which multiplies in the scores'
+    # dtype: slopes narrower than the scores (float32 in a float64 call, fixed or learned) must still give the
+    # product the mod makes, float32, widened; forward and gradients (the slopes' too) against dense autograd
+    L, H = 50, 2
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, H, L, L, 8, seed=5))
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    dout = torch.randn(2, H, L, 8, dtype=torch.float64)
+    for learned in (False, True):
+        slopes = (mt.alibi_slopes(H) * 1.1).float().requires_grad_(learned)
+        out = mt.flex_attention(q, k, v, lambda s, b, h, qi, kv: s - slopes[h] * (qi - kv).abs())
+        bias = (slopes[:, None, None] * (i - j).abs()).double()  # the float32 product, widened
+        ref = (q @ k.transpose(-2, -1) / math.sqrt(8) - bias).softmax(-1) @ v
+        torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+        inputs = [q, k, v, slopes] if learned else [q, k, v]
+        for a, b in zip(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(ref, inputs, dout)):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
 def test_flex_gradcheck():
     # gradcheck of q, k, v, a learned table and lse, through a score_mod and a BlockMask of several blocks
     L = 11
