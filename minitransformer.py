@@ -899,8 +899,8 @@ class Visibility:
             learned = backward and any(t.requires_grad for t in self.score_inputs)
             with torch.set_grad_enabled(learned):  # a learned f's graph: the pullback follows it
                 f = mod.bias(None, *mod.indices(rows, cols), *self.score_inputs)  # f, or (a, b): f = a * b
-                if isinstance(f, tuple) and (learned or torch.result_type(*f).itemsize < s.element_size()):
-                    f = f[0] * f[1]  # made where addcmul would multiply wider than the mod, or for its graph
+                if isinstance(f, tuple) and (learned or torch.result_type(*f) != s.dtype):
+                    f = f[0] * f[1]  # made as the mod makes it, unless addcmul multiplies in the same dtype
             s = (torch.addcmul(s, *f, value=mod.sign * LOG2E, out=s) if isinstance(f, tuple)  # f never made
                  else s.add_(f.detach(), alpha=mod.sign * LOG2E))
             pullback = self._bias_pullback(f) if learned else None
@@ -988,8 +988,8 @@ class Visibility:
 
         def pullback(ds):  # backward, not grad: inside an outer autograd.grad FlopCounterMode refuses grad
             if out.requires_grad:  # else the mod reads neither its score nor a tensor that requires grad
-                learned = [t for t in self.score_inputs if t.requires_grad]
-                torch.autograd.backward(out, ds, inputs=[s, *learned])
+                learned_inputs = [t for t in self.score_inputs if t.requires_grad]
+                torch.autograd.backward(out, ds, inputs=[s, *learned_inputs])
             return torch.zeros_like(s) if s.grad is None else s.grad
         return out.detach(), pullback
 
@@ -998,8 +998,8 @@ class Visibility:
         require grad get f's share of it."""
         def pullback(ds):
             df = ds.sum_to_size(f.shape)  # ds itself where f has the block's shape: never written to
-            learned = [t for t in self.score_inputs if t.requires_grad]
-            torch.autograd.backward(f, df if self.score_mod.sign > 0 else -df, inputs=learned)
+            learned_inputs = [t for t in self.score_inputs if t.requires_grad]
+            torch.autograd.backward(f, df if self.score_mod.sign > 0 else -df, inputs=learned_inputs)
             return ds
         return pullback
 
