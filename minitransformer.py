@@ -898,7 +898,7 @@ class Visibility:
         if mod is not None and mod.bias is not None:  # score + f: f added in place, in base 2
             learned = backward and any(t.requires_grad for t in self.score_inputs)
             with torch.set_grad_enabled(learned):  # a learned f's graph: the pullback follows it
-                f = mod.bias(None, *mod.indices(rows, cols), *self.score_inputs)  # f, or (a, b): f = a * b
+                f = mod.bias(None, *mod.indices(rows, cols, self.score_inputs))  # f, or (a, b): f = a * b
                 if isinstance(f, tuple) and (learned or torch.result_type(*f) != s.dtype):
                     f = f[0] * f[1]  # made as the mod makes it, unless addcmul multiplies in the same dtype
             s = (torch.addcmul(s, *f, value=mod.sign * LOG2E, out=s) if isinstance(f, tuple)  # f never made
@@ -1493,8 +1493,7 @@ class _ModdedAttention(torch.autograd.Function):
         wants = ctx.needs_input_grad[6:]
         standins = [t.detach().requires_grad_() if want else t for t, want in zip(inputs, wants)]
         vis = replace(ctx.opts.vis, score_inputs=tuple(standins[:len(ctx.opts.vis.score_inputs)]))
-        dlse = None if dlog2_l is None else dlog2_l / LN2  # lse = (m + log2(l)) ln 2
-        opts = replace(ctx.opts, vis=vis, dlse=dlse)
+        opts = replace(ctx.opts, vis=vis, dlse=None if dlog2_l is None else dlog2_l / LN2)  # as _chunked_grad
         dout = torch.zeros_like(out) if dout is None else dout  # a loss of lse alone
         with _no_autocast(q):
             grads = chunked_backward(dout, q, k, v, out, m, log2_l, opts, ctx.cq, ctx.needs_input_grad[3])
@@ -1554,9 +1553,9 @@ class _Mod:
         self.bias, self.sign = _additive(gm) if self.score and self.broadcast else (None, 0)
 
     def __call__(self, s, rows, cols, inputs, broadcast=None):
-        args, (b, h, i, j) = [] if s is None else [s], self.indices(rows, cols)
+        args, (b, h, i, j, *reads) = [] if s is None else [s], self.indices(rows, cols, inputs)
         if self.broadcast if broadcast is None else broadcast:
-            out = self.fn(*args, b, h, i, j, *inputs)
+            out = self.fn(*args, b, h, i, j, *reads)
         else:
             out = self.vmapped(*args, self.b, self.h, i.flatten(), j.flatten(), *inputs)
         shape = (len(self.b), len(self.h), i.numel(), j.numel())
@@ -1567,10 +1566,12 @@ class _Mod:
                             f"{tuple(getattr(out, 'shape', ()))} for {shape}")
         return (out if out.shape == shape else out.expand(shape)).to(s.dtype) if self.score else out
 
-    def indices(self, rows, cols):
-        """b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, rows, 1) and kv_idx (1, 1, 1, cols), broadcast."""
+    def indices(self, rows, cols, inputs=()):
+        """b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, rows, 1), kv_idx (1, 1, 1, cols), then the inputs,
+        a 0-d one as (1, 1, 1, 1): promoted as vmap's 0-d elements are (s * c: float64 for c 0-d float64)."""
         i, j = (torch.arange(r.start, r.stop, device=self.b.device, dtype=torch.int32) for r in (rows, cols))
-        return self.b.view(-1, 1, 1, 1), self.h.view(1, -1, 1, 1), i.view(1, 1, -1, 1), j.view(1, 1, 1, -1)
+        return (self.b.view(-1, 1, 1, 1), self.h.view(1, -1, 1, 1), i.view(1, 1, -1, 1), j.view(1, 1, 1, -1),
+                *[t.view(1, 1, 1, 1) if t.dim() == 0 else t for t in inputs])
 
     def _learned(self, dtype):
         """Whether the mod, on one key, reads a tensor that requires grad (autograd tells, however read)."""

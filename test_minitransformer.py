@@ -2376,6 +2376,28 @@ def test_flex_bias_products_are_made_in_the_mods_dtype():
             torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
 
 
+def test_flex_promotes_a_0d_read_as_torchs_vmap():
+    # torch runs a mod on 0-d elements, where a float64 0-d c times a float16 table's element is float64; beside
+    # a block it would stay float16 (1.2e-4 off here). Forward against torch's flex, and c's gradient (learned)
+    # against dense autograd, in float64
+    L, H = 40, 2
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, H, L, L, 8, seed=6))
+    table = torch.linspace(0.13, 3.7, L).half()
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    for learned in (False, True):
+        c = torch.tensor(0.3141592653589793, dtype=torch.float64, requires_grad=learned)
+        mod = lambda s, b, h, qi, kv: s + c * table[(qi - kv).abs()]  # noqa: E731
+        out = mt.flex_attention(q, k, v, mod)
+        with torch.no_grad():  # torch's flex has no backward on a CPU
+            ref = torch_flex.flex_attention(q.detach(), k.detach(), v.detach(), mod)
+        torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+        if learned:
+            ref = dense_flex(q, k, v, lambda s: s + c * table[(i - j).abs()].double())
+            dout = torch.randn_like(out)
+            for a, b in zip(*(torch.autograd.grad(o, [q, k, v, c], dout) for o in (out, ref))):
+                torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
 def test_flex_gradcheck():
     # gradcheck of q, k, v, a learned table and lse, through a score_mod and a BlockMask of several blocks
     L = 11
