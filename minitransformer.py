@@ -1070,9 +1070,8 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 
 
 # -----------------------------------------------------------------------------
-# chunked: blockwise_attention with every convention above, FlashAttention-2's precision recipe for
-# 16-bit inputs, dropout that the backward regenerates, blocks that windows and documents hide skipped,
-# and one custom operator for torch.compile.
+# chunked: blockwise_attention with every convention above, FlashAttention-2's precision recipe for 16-bit
+# inputs, dropout that the backward regenerates, hidden blocks skipped, and one custom operator for compile.
 #
 # As in the core, each block of query rows visits the key blocks (cols) it sees, keeping per query m, l and o,
 # and out = o / l at the end. Beside the per-query statistics a few (cq, ck) blocks of scores are alive at
@@ -1399,9 +1398,8 @@ def _autocast_off(op):
     return run
 
 
-# The operators' namespace is the module's own name: a copy of this file imported under another name
-# (beside an installed minitransformer) registers operators of its own, never replacing these (one
-# imported under the same name, as importlib.reload does, replaces them).
+# The operators' namespace is the module's own name: a copy imported under another name registers operators
+# of its own, never replacing these (importlib.reload, under the same name, replaces them).
 _OPS = re.sub(r"\W", "_", __name__)
 
 
@@ -1522,6 +1520,7 @@ class _Mod:
             raise ValueError(f"{name}: a TorchScript function, which cannot be traced: pass it as Python")
         self.name, self.score, self.fn, self.inputs, self.in_place = name, name == "score_mod", mod, (), True
         self.b, self.h = (torch.arange(n, device=device, dtype=torch.int32) for n in shape[:2])
+        self.views = True  # a broadcast call's 0-d reads as (1, 1, 1, 1) (indices, _broadcasts)
         gm, untraced = None, None
         if not torch.compiler.is_compiling():
             try:
@@ -1557,7 +1556,7 @@ class _Mod:
         if self.broadcast if broadcast is None else broadcast:
             out = self.fn(*args, b, h, i, j, *reads)
         else:
-            out = self.vmapped(*args, self.b, self.h, i.flatten(), j.flatten(), *inputs)
+            out = self.vmapped(*args, self.b, self.h, i.flatten(), j.flatten(), *inputs)  # 0-d as they are
         shape = (len(self.b), len(self.h), i.numel(), j.numel())
         ok = torch.is_tensor(out) and (out.is_floating_point() if self.score else out.dtype == torch.bool)
         if not (ok and out.dim() <= 4 and all(n in (1, m) for n, m in zip(out.shape[::-1], shape[::-1]))):
@@ -1566,12 +1565,12 @@ class _Mod:
                             f"{tuple(getattr(out, 'shape', ()))} for {shape}")
         return (out if out.shape == shape else out.expand(shape)).to(s.dtype) if self.score else out
 
-    def indices(self, rows, cols, inputs=()):
-        """b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, rows, 1), kv_idx (1, 1, 1, cols), then the inputs,
-        a 0-d one as (1, 1, 1, 1): promoted as vmap's 0-d elements are (s * c: float64 for c 0-d float64)."""
+    def indices(self, rows, cols, inputs):
+        """b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, rows, 1), kv_idx (1, 1, 1, cols), then the inputs, a
+        0-d one as (1, 1, 1, 1) with views: promoted as in vmap (c * table[i], c a float64 0-d: float64)."""
         i, j = (torch.arange(r.start, r.stop, device=self.b.device, dtype=torch.int32) for r in (rows, cols))
         return (self.b.view(-1, 1, 1, 1), self.h.view(1, -1, 1, 1), i.view(1, 1, -1, 1), j.view(1, 1, 1, -1),
-                *[t.view(1, 1, 1, 1) if t.dim() == 0 else t for t in inputs])
+                *[t.view(1, 1, 1, 1) if t.dim() == 0 and self.views else t for t in inputs])
 
     def _learned(self, dtype):
         """Whether the mod, on one key, reads a tensor that requires grad (autograd tells, however read)."""
@@ -1587,12 +1586,14 @@ class _Mod:
         rows, cols = slice(0, min(shape[2], 4)), slice(0, min(shape[3], 5))
         s = torch.zeros(*shape[:2], rows.stop, cols.stop, device=self.b.device,
                         dtype=torch.promote_types(dtype, torch.float32)) if self.score else None
-        try:  # the shapes alone are checked (__call__): no value is read on the host
-            for broadcast in (False, True):
-                self(None if s is None else s.clone(), rows, cols, self.inputs, broadcast=broadcast)
-        except Exception:  # the vmapped call raises again, by name, where the mod is called
-            return False
-        return True
+        for self.views in (True, False):  # 0-d reads as (1, 1, 1, 1), or as they are where an op takes only a
+            try:  # 0-d (masked_fill's value); the shapes alone are checked (__call__): no value is read
+                for broadcast in (False, True):
+                    self(None if s is None else s.clone(), rows, cols, self.inputs, broadcast=broadcast)
+            except Exception:  # the vmapped call raises again, by name, where the mod is called
+                continue
+            return True
+        return False
 
 
 # The operations whose broadcast result is, element by element, their result on one element (the in-place
@@ -1762,9 +1763,8 @@ def _scores(q_i, k, rows, cols, opts, scratch=None, backward=False):
     return opts.vis.scores(s, rows, cols, backward)
 
 
-# Dropout multiplies P_j by a keep-mask Z_j in the products with V and dO, and divides by 1 - p.
-# Z is a hash of (seed, b, h, i, j): the backward regenerates it without storing it, and it does
-# not depend on the block sizes.
+# Dropout multiplies P_j by a keep-mask Z_j in the products with V and dO, and divides by 1 - p. Z is a
+# hash of (seed, b, h, i, j): the backward regenerates it without storing it, whatever the block sizes.
 
 _HASH = 0x2C1B3C6D  # odd: multiplying by it permutes the integers mod 2^31
 
