@@ -1026,9 +1026,8 @@ def _finite_bias(bias, dtype, scale=1.0):
 
 
 def _reopen_dead_rows(mask):
-    """(mask, dead): a row with every key masked would make softmax 0/0 = NaN, forward and
-    backward; it is let to attend to every key instead, and `dead` (.., Lq, 1) marks it, for
-    the caller to zero its output (which also zeroes its gradients)."""
+    """(mask, dead): a row with every key masked would make softmax 0/0 = NaN, forward and backward; it
+    sees every key instead, and `dead` (.., Lq, 1) marks it, for the caller to zero (its gradients too)."""
     if mask.dtype == torch.bool:
         dead = ~mask.any(-1, keepdim=True)
         return mask | dead, dead
@@ -1145,11 +1144,10 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
         dV_j += (Z_j * P_j)^T dO,   dP_j = Z_j * (dO V_j^T) / (1 - p),   dS_j = P_j * (dP_j - rowsum(dO * O)),
         dQ += dS_j K_j,   dK_j += dS_j^T Q,   dM_j = dS_j (a float mask)
 
-    dq, dk, dv (float32) are added to in place, dq and dk without the scale and dv without
-    1 / (1 - p) (both applied once, at the end), and dmask, a float mask's gradient, when it is not
-    None. The loop runs in the forward's order, query blocks outside, adding into dK and dV across
-    them. FlashAttention-2's Algorithm 2 loops the other way, key blocks outside, so that dK_j and
-    dV_j stay on chip and dQ is added to in memory instead.
+    dq, dk, dv (float32) are added to in place, dq and dk without the scale and dv without 1 / (1 - p) (both
+    applied once, at the end), and dmask, a float mask's gradient, when it is not None. The loop runs in the
+    forward's order, query blocks outside, adding into dK and dV across them. FlashAttention-2's Algorithm 2
+    loops the other way, key blocks outside, so that dK_j and dV_j stay on chip and dQ is added to in memory.
     """
     if q.size(0) * q.size(1) == 0:  # an empty batch, or no heads: no gradient to add
         return
@@ -1520,7 +1518,7 @@ class _Mod:
             raise ValueError(f"{name}: a TorchScript function, which cannot be traced: pass it as Python")
         self.name, self.score, self.fn, self.inputs, self.in_place = name, name == "score_mod", mod, (), True
         self.b, self.h = (torch.arange(n, device=device, dtype=torch.int32) for n in shape[:2])
-        self.views = True  # a broadcast call's 0-d reads as (1, 1, 1, 1) (indices, _broadcasts)
+        self.kept = ()  # the 0-d reads a broadcast call takes as they are, not as (1, 1, 1, 1) (_broadcasts)
         gm, untraced = None, None
         if not torch.compiler.is_compiling():
             try:
@@ -1567,10 +1565,10 @@ class _Mod:
 
     def indices(self, rows, cols, inputs):
         """b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, rows, 1), kv_idx (1, 1, 1, cols), then the inputs, a
-        0-d one as (1, 1, 1, 1) with views: promoted as in vmap (c * table[i], c a float64 0-d: float64)."""
+        0-d one as (1, 1, 1, 1) unless kept: promoted as in vmap (c * table[i], c a float64 0-d: float64)."""
         i, j = (torch.arange(r.start, r.stop, device=self.b.device, dtype=torch.int32) for r in (rows, cols))
         return (self.b.view(-1, 1, 1, 1), self.h.view(1, -1, 1, 1), i.view(1, 1, -1, 1), j.view(1, 1, 1, -1),
-                *[t.view(1, 1, 1, 1) if t.dim() == 0 and self.views else t for t in inputs])
+                *[t if t.dim() or n in self.kept else t.view(1, 1, 1, 1) for n, t in enumerate(inputs)])
 
     def _learned(self, dtype):
         """Whether the mod, on one key, reads a tensor that requires grad (autograd tells, however read)."""
@@ -1586,14 +1584,16 @@ class _Mod:
         rows, cols = slice(0, min(shape[2], 4)), slice(0, min(shape[3], 5))
         s = torch.zeros(*shape[:2], rows.stop, cols.stop, device=self.b.device,
                         dtype=torch.promote_types(dtype, torch.float32)) if self.score else None
-        for self.views in (True, False):  # 0-d reads as (1, 1, 1, 1), or as they are where an op takes only a
-            try:  # 0-d (masked_fill's value); the shapes alone are checked (__call__): no value is read
-                for broadcast in (False, True):
-                    self(None if s is None else s.clone(), rows, cols, self.inputs, broadcast=broadcast)
-            except Exception:  # the vmapped call raises again, by name, where the mod is called
-                continue
-            return True
-        return False
+
+        def runs(broadcast):  # the shapes alone are checked (__call__): no value is read
+            with warnings.catch_warnings(), contextlib.suppress(Exception):  # vmap's warnings and errors come
+                warnings.simplefilter("ignore")  # again where the mod runs (masked_fill: no batching rule)
+                self(None if s is None else s.clone(), rows, cols, self.inputs, broadcast=broadcast)
+                return True
+            return False
+        zero_d = [n for n, t in enumerate(self.inputs) if t.dim() == 0]  # (1, 1, 1, 1) each, but where an op
+        kept = [(), *((n,) for n in zero_d), zero_d]  # takes only a 0-d (masked_fill's value): then kept 0-d
+        return runs(False) and any(runs(True) for self.kept in kept)  # the first choice that broadcasts
 
 
 # The operations whose broadcast result is, element by element, their result on one element (the in-place

@@ -2396,14 +2396,16 @@ def test_flex_promotes_a_0d_read_as_torchs_vmap():
             dout = torch.randn_like(out)
             for a, b in zip(*(torch.autograd.grad(o, [q, k, v, c], dout) for o in (out, ref))):
                 torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
-    # masked_fill takes its value 0-d only: that mod gets its 0-d read as it is, and stays broadcast, not vmapped
-    # (element by element: a thousand times slower)
-    c = torch.tensor(0.31, dtype=torch.float64)
-    fill = lambda s, b, h, qi, kv: s.masked_fill(qi < kv, c)  # noqa: E731
-    assert mt._Mod(fill, "score_mod", (1, H, L, L), "cpu", torch.float64).broadcast
-    with torch.no_grad():
-        ref = torch_flex.flex_attention(q.detach(), k.detach(), v.detach(), fill)
-    torch.testing.assert_close(mt.flex_attention(q, k, v, fill), ref, atol=1e-10, rtol=0)
+    # masked_fill takes its value 0-d only: that read stays 0-d, and the mod broadcast, not vmapped (element by
+    # element: a thousand times slower), while c still promotes the table as above
+    fill_value = torch.tensor(0.31)
+    c = torch.tensor(0.3141592653589793, dtype=torch.float64)
+    for fill in (lambda s, b, h, qi, kv: s.masked_fill(qi < kv, fill_value),
+                 lambda s, b, h, qi, kv: s.masked_fill(qi < kv, fill_value) + c * table[(qi - kv).abs()]):
+        assert mt._Mod(fill, "score_mod", (1, H, L, L), "cpu", torch.float64).broadcast
+        with torch.no_grad():
+            ref = torch_flex.flex_attention(q.detach(), k.detach(), v.detach(), fill)
+        torch.testing.assert_close(mt.flex_attention(q, k, v, fill), ref, atol=1e-10, rtol=0)
 
 
 def test_flex_gradcheck():
