@@ -1027,7 +1027,7 @@ def _finite_bias(bias, dtype, scale=1.0):
 
 def _reopen_dead_rows(mask):
     """(mask, dead): a row with every key masked would make softmax 0/0 = NaN, forward and backward; it
-    sees every key instead, and `dead` (.., Lq, 1) marks it, for the caller to zero (its gradients too)."""
+    sees every key instead, and `dead` (.., Lq, 1) marks it, for the caller to zero (output and gradient)."""
     if mask.dtype == torch.bool:
         dead = ~mask.any(-1, keepdim=True)
         return mask | dead, dead
@@ -1518,7 +1518,6 @@ class _Mod:
             raise ValueError(f"{name}: a TorchScript function, which cannot be traced: pass it as Python")
         self.name, self.score, self.fn, self.inputs, self.in_place = name, name == "score_mod", mod, (), True
         self.b, self.h = (torch.arange(n, device=device, dtype=torch.int32) for n in shape[:2])
-        self.kept = ()  # the 0-d reads a broadcast call takes as they are, not as (1, 1, 1, 1) (_broadcasts)
         gm, untraced = None, None
         if not torch.compiler.is_compiling():
             try:
@@ -1565,16 +1564,15 @@ class _Mod:
 
     def indices(self, rows, cols, inputs):
         """b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, rows, 1), kv_idx (1, 1, 1, cols), then the inputs, a
-        0-d one as (1, 1, 1, 1) unless kept: promoted as in vmap (c * table[i], c a float64 0-d: float64)."""
+        0-d one as (1, 1, 1, 1): promoted as in vmap (c * table[i], c a float64 0-d: float64, not float16)."""
         i, j = (torch.arange(r.start, r.stop, device=self.b.device, dtype=torch.int32) for r in (rows, cols))
         return (self.b.view(-1, 1, 1, 1), self.h.view(1, -1, 1, 1), i.view(1, 1, -1, 1), j.view(1, 1, 1, -1),
-                *[t if t.dim() or n in self.kept else t.view(1, 1, 1, 1) for n, t in enumerate(inputs)])
+                *[t.view(1, 1, 1, 1) if t.dim() == 0 else t for t in inputs])
 
     def _learned(self, dtype):
         """Whether the mod, on one key, reads a tensor that requires grad (autograd tells, however read)."""
+        s = self.b.new_zeros(len(self.b), len(self.h), 1, 1, dtype=torch.promote_types(dtype, torch.float))
         with torch.enable_grad():
-            s = torch.zeros(len(self.b), len(self.h), 1, 1, device=self.b.device,
-                            dtype=torch.promote_types(dtype, torch.float32))
             return self(s, slice(0, 1), slice(0, 1), self.inputs, broadcast=False).requires_grad
 
     def _broadcasts(self, shape, dtype):
@@ -1582,18 +1580,12 @@ class _Mod:
         indices where vmap does, on the first (at most) 4 queries and 5 keys: a tensor it reads whole, not
         indexed (s + table), broadcasts against the block where vmap returns a tensor per element."""
         rows, cols = slice(0, min(shape[2], 4)), slice(0, min(shape[3], 5))
-        s = torch.zeros(*shape[:2], rows.stop, cols.stop, device=self.b.device,
-                        dtype=torch.promote_types(dtype, torch.float32)) if self.score else None
-
-        def runs(broadcast):  # the shapes alone are checked (__call__): no value is read
-            with warnings.catch_warnings(), contextlib.suppress(Exception):  # vmap's warnings and errors come
-                warnings.simplefilter("ignore")  # again where the mod runs (masked_fill: no batching rule)
-                self(None if s is None else s.clone(), rows, cols, self.inputs, broadcast=broadcast)
-                return True
-            return False
-        zero_d = [n for n, t in enumerate(self.inputs) if t.dim() == 0]  # (1, 1, 1, 1) each, but where an op
-        kept = [(), *((n,) for n in zero_d), zero_d]  # takes only a 0-d (masked_fill's value): then kept 0-d
-        return runs(False) and any(runs(True) for self.kept in kept)  # the first choice that broadcasts
+        s = self.b.new_zeros(*shape[:2], rows.stop, cols.stop, dtype=torch.promote_types(dtype, torch.float))
+        with contextlib.suppress(Exception):  # the vmapped call raises again, by name, where the mod runs
+            for broadcast in (True, False):  # the shapes alone are checked (__call__): no value is read
+                self(s.clone() if self.score else None, rows, cols, self.inputs, broadcast=broadcast)
+            return True
+        return False
 
 
 # The operations whose broadcast result is, element by element, their result on one element (the in-place
@@ -1604,7 +1596,7 @@ _ELEMENTWISE = frozenset("""add sub mul truediv floordiv div mod remainder fmod 
     sign floor ceil round trunc clamp clamp_min clamp_max clip minimum maximum logical_and logical_or
     logical_not logical_xor bitwise_and bitwise_or bitwise_xor bitwise_not isnan isinf isneginf isposinf
     nan_to_num square erf relu softplus gelu silu masked_fill float double half bfloat16 int long bool to
-    type_as""".split())
+    type_as copy""".split())
 _ELEMENTWISE |= {f"__{r}{op}__" for r in ("", "r")
                  for op in "add sub mul truediv floordiv mod pow and or xor".split()}
 _ELEMENTWISE |= {f"__{op}__" for op in "neg pos abs invert eq ne lt le gt ge".split()}
@@ -1688,6 +1680,14 @@ def _traced(mod, score):
     for node in [n for n in graph.nodes if n.op == "get_attr"]:
         node.replace_all_uses_with(reads[int(node.target[4:])])
         graph.erase_node(node)
+    for node in [n for n in graph.nodes if n.target in ("masked_fill", "masked_fill_", torch.masked_fill)]:
+        if len(node.args) == 3 and isinstance(node.args[2], torch.fx.Node):  # a tensor value: masked_fill
+            x, mask, value = node.args  # takes it 0-d only, a select also (1, 1, 1, 1) or one per element
+            with graph.inserting_before(node):
+                out = graph.call_function(torch.where, (mask, graph.call_method("type_as", (value, x)), x))
+                out = graph.call_method("copy_", (x, out)) if node.target == "masked_fill_" else out
+            node.replace_all_uses_with(out)
+            graph.erase_node(node)
     return torch.fx.GraphModule(nn.Module(), graph), tuple(tracer.reads)
 
 

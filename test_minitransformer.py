@@ -2396,16 +2396,23 @@ def test_flex_promotes_a_0d_read_as_torchs_vmap():
             dout = torch.randn_like(out)
             for a, b in zip(*(torch.autograd.grad(o, [q, k, v, c], dout) for o in (out, ref))):
                 torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
-    # masked_fill takes its value 0-d only: that read stays 0-d, and the mod broadcast, not vmapped (element by
-    # element: a thousand times slower), while c still promotes the table as above
-    fill_value = torch.tensor(0.31)
-    c = torch.tensor(0.3141592653589793, dtype=torch.float64)
-    for fill in (lambda s, b, h, qi, kv: s.masked_fill(qi < kv, fill_value),
-                 lambda s, b, h, qi, kv: s.masked_fill(qi < kv, fill_value) + c * table[(qi - kv).abs()]):
-        assert mt._Mod(fill, "score_mod", (1, H, L, L), "cpu", torch.float64).broadcast
+    # masked_fill takes its value 0-d only, a select also (1, 1, 1, 1) and one per element: each of these mods
+    # runs broadcast, not vmapped (element by element: a thousand times slower), and promotes as torch's
+    a, b16 = torch.tensor(0.31), torch.tensor(-0.7, dtype=torch.float16)
+    c, big, per_head = torch.tensor(0.3141592653589793, dtype=torch.float64), torch.tensor(2**30), torch.rand(H)
+    mods = [lambda s, b, h, qi, kv: s.masked_fill(qi < kv, a),
+            lambda s, b, h, qi, kv: s.masked_fill(qi < kv, a) + c * table[(qi - kv).abs()],
+            lambda s, b, h, qi, kv: s.masked_fill(qi < kv, c) + c * table[(qi - kv).abs()],  # c read twice
+            lambda s, b, h, qi, kv: s.masked_fill(qi < kv, a).masked_fill(qi > kv + 3, b16) + c * table[qi],
+            lambda s, b, h, qi, kv: s.masked_fill(qi < kv, c) + torch.where(qi > kv + 2, c, b16) * kv,
+            lambda s, b, h, qi, kv: s.masked_fill(qi > kv + L, big) + (kv * big % 7) * 0.1,  # int64, not int32
+            lambda s, b, h, qi, kv: s.masked_fill(qi < kv, per_head[h]),
+            lambda s, b, h, qi, kv: (s * 2).masked_fill_(qi < kv, c)]  # in place
+    for mod in mods:
+        assert mt._Mod(mod, "score_mod", (1, H, L, L), "cpu", torch.float64).broadcast
         with torch.no_grad():
-            ref = torch_flex.flex_attention(q.detach(), k.detach(), v.detach(), fill)
-        torch.testing.assert_close(mt.flex_attention(q, k, v, fill), ref, atol=1e-10, rtol=0)
+            ref = torch_flex.flex_attention(q.detach(), k.detach(), v.detach(), mod)
+        torch.testing.assert_close(mt.flex_attention(q, k, v, mod), ref, atol=1e-10, rtol=0)
 
 
 def test_flex_gradcheck():
