@@ -11,8 +11,8 @@ minitransformer: a Transformer encoder in one file, read top-down like a short p
    documents, ALiBi, a user's FlexAttention mods, dropout, 16-bit dtypes, torch.compile). naive: the
    textbook formula; chunked: the blockwise algorithm with FlashAttention-2's precision recipe; flash:
    PyTorch's fused kernels, warning (or raising) before SDPA would fall back to its math kernel (outside
-   torch.compile). Every variant is a small rule over the positions of queries and keys that all three read
-   (Visibility). The input checks come last.
+   torch.compile). Every variant is a small rule over the positions of queries and keys, which the three
+   paths all read (Visibility). The input checks come last.
 ring_attention.py continues the chunked path across devices; approximate_attention.py holds the
 tutorials' approximate ways out; study.py measures what each path costs, and cost_model.py predicts it.
 
@@ -156,7 +156,7 @@ def blockwise_attention(q, k, v, attn_mask=None, is_causal=False, block_size=64)
 
 def _block_scores(q, k, keep, is_causal, rows, cols):
     """S = Q K^T / sqrt(D) + M for the queries `rows` and keys `cols` (two slices), (B, H, rows, cols):
-    M = -inf where keep (the attn_mask, (B, H, Lq, Lk)) or causality hides a key, else 0."""
+    M = -inf where keep (the attn_mask, (B, H, Lq, Lk)) is False or causality hides a key, else 0."""
     s = q[..., rows, :] @ k[..., cols, :].transpose(-2, -1) / math.sqrt(q.size(-1))
     mask = None if keep is None else keep[..., rows, cols]
     if is_causal:
@@ -204,8 +204,8 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     """softmax(Q K^T * scale + M) V, equal to the core where both apply, through impl: one of IMPLS (the
     appendix's paths: "naive", the formula with its (Lq, Lk) scores; "chunked", the core's blockwise algorithm
     in O(L) memory; "flash", PyTorch's fused kernels, which run that algorithm inside one kernel, or outside
-    torch.compile warn where SDPA falls back to its unfused math kernel), or a function taking their
-    arguments, a variant's keyword only when set (ring_attention.ring_impl, the approximate strategies, the
+    torch.compile warn where SDPA falls back to its unfused math kernel), or a function with their arguments,
+    each variant's keyword passed only when set (ring_attention.ring_impl, the approximate strategies, the
     core: README). M: 0 where a query sees a key and -inf where not, plus a float mask and ALiBi's bias.
 
     q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv). attn_mask: bool, True where a
@@ -216,10 +216,10 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     H_kv heads; chunk_size: the chunked path's blocks. The conventions every path keeps (float masks,
     causality top-left or bottom-right, dtypes, compile): the comment "Appendix: the hardened paths".
     FlexAttention's mods, a user's own variant (score_mod(score, b, h, q_idx, kv_idx) -> the new score; a
-    BlockMask as attn_mask: the appendix's flex_attention), run on the chunked path whichever of IMPLS impl
+    BlockMask as attn_mask: the appendix's flex_attention), run on the chunked path, whichever path impl
     names; not with a function as impl."""
     given = dict(window_size=window_size, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes)
-    kw = {name: x for name, x in given.items() if x is not None}  # a function without them runs (the core's)
+    kw = {name: x for name, x in given.items() if x is not None}  # unset: not passed (the core takes none)
     kw |= {"enable_gqa": True} if enable_gqa else {}
     if (score_mod is not None) or isinstance(attn_mask, BlockMask):
         if callable(impl):
@@ -270,7 +270,7 @@ class MultiHeadAttention(nn.Module):
         self.d_model, self.n_heads, self.n_kv_heads, self.dropout = d_model, n_heads, n_kv_heads, dropout
         self.impl, self.chunk_size, self.window_size = impl, chunk_size, window_size
         self.rope, self.alibi, self.score_mod = rope, alibi, score_mod
-        owner = getattr(score_mod, "__self__", None)  # a bound method's module: registered as a submodule
+        owner = getattr(score_mod, "__self__", None)  # a bound method's module: a submodule (by assignment)
         self.score_owner = owner if isinstance(owner, nn.Module) else None
         self.qkv = nn.Linear(d_model, d_model + 2 * n_kv_heads * (d_model // n_heads), bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
@@ -360,7 +360,7 @@ class SinusoidalPositionalEncoding(nn.Module):
         inv_freq = 10000.0 ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)  # (ceil(d/2),)
         pe = torch.zeros(max_len, d_model, dtype=torch.float64)
         pe[:, 0::2] = torch.sin(pos * inv_freq)
-        pe[:, 1::2] = torch.cos(pos * inv_freq[: d_model // 2])
+        pe[:, 1::2] = torch.cos(pos * inv_freq[: d_model // 2])  # an odd d_model: one cos fewer than sin
         self.register_buffer("pe", pe.float(), persistent=False)  # recomputed, so not in the checkpoint
         self.drop = nn.Dropout(dropout)
 
@@ -1681,8 +1681,8 @@ def _traced(mod, score):
         node.replace_all_uses_with(reads[int(node.target[4:])])
         graph.erase_node(node)
     for node in [n for n in graph.nodes if n.target in ("masked_fill", "masked_fill_", torch.masked_fill)]:
-        if len(node.args) == 3 and isinstance(node.args[2], torch.fx.Node):  # a tensor value: masked_fill
-            x, mask, value = node.args  # takes it 0-d only, a select also (1, 1, 1, 1) or one per element
+        if len(node.args) == 3 and isinstance(node.args[2], torch.fx.Node):  # a tensor: 0-d for masked_fill
+            x, mask, value = node.args  # in a select it may be (1, 1, 1, 1), or one per element (per_head[h])
             with graph.inserting_before(node):
                 out = graph.call_function(torch.where, (mask, graph.call_method("type_as", (value, x)), x))
                 out = graph.call_method("copy_", (x, out)) if node.target == "masked_fill_" else out
