@@ -1508,10 +1508,10 @@ class _Mod:
     grad are the graph's, summed over the blocks and handed back to autograd once, hooks included. A mod that
     torch.fx cannot trace runs as written only where no backward will call it again (grad: whether one may);
     any mod under torch.compile, which inlines it, runs as written. Each block calls it on broadcast indices
-    b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, rows, 1), kv_idx (1, 1, 1, cols), int32 as torch's, where
-    its graph works element by element (_elementwise: arithmetic, comparisons, a table indexed by all the
-    indices at once); else vmapped, as torch runs it. A score_mod score + f(b, h, q_idx, kv_idx) (ALiBi, a
-    relative table) is run as its bias f (bias, sign). shape: (B, H, Lq, Lk) of the call."""
+    b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, rows, 1), kv_idx (1, 1, 1, cols), int32 as in torch's
+    compiled kernels, where its graph works element by element (_elementwise: arithmetic, comparisons, a table
+    indexed by all the indices at once); else vmapped, as torch runs it. A score_mod score + f(b, h, q_idx,
+    kv_idx) (ALiBi, a relative table) is run as its bias f (bias, sign). shape: (B, H, Lq, Lk) of the call."""
 
     def __init__(self, mod, name, shape, device, dtype, grad=False):
         if isinstance(mod, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):  # as torch's flex_attention
@@ -1581,11 +1581,12 @@ class _Mod:
         indexed (s + table), broadcasts against the block where vmap returns a tensor per element."""
         rows, cols = slice(0, min(shape[2], 4)), slice(0, min(shape[3], 5))
         s = self.b.new_zeros(*shape[:2], rows.stop, cols.stop, dtype=torch.promote_types(dtype, torch.float))
-        with contextlib.suppress(Exception):  # the vmapped call raises again, by name, where the mod runs
-            for broadcast in (True, False):  # the shapes alone are checked (__call__): no value is read
+        try:  # the shapes alone are checked (__call__): no value is read
+            for broadcast in (False, True):  # vmapped first: a mod torch refuses never runs broadcast
                 self(s.clone() if self.score else None, rows, cols, self.inputs, broadcast=broadcast)
-            return True
-        return False
+        except Exception:  # the vmapped call raises again, by name, where the mod runs
+            return False
+        return True
 
 
 # The operations whose broadcast result is, element by element, their result on one element (the in-place
@@ -1596,7 +1597,7 @@ _ELEMENTWISE = frozenset("""add sub mul truediv floordiv div mod remainder fmod 
     sign floor ceil round trunc clamp clamp_min clamp_max clip minimum maximum logical_and logical_or
     logical_not logical_xor bitwise_and bitwise_or bitwise_xor bitwise_not isnan isinf isneginf isposinf
     nan_to_num square erf relu softplus gelu silu masked_fill float double half bfloat16 int long bool to
-    type_as copy""".split())
+    type_as""".split())
 _ELEMENTWISE |= {f"__{r}{op}__" for r in ("", "r")
                  for op in "add sub mul truediv floordiv mod pow and or xor".split()}
 _ELEMENTWISE |= {f"__{op}__" for op in "neg pos abs invert eq ne lt le gt ge".split()}
@@ -1681,13 +1682,11 @@ def _traced(mod, score):
         node.replace_all_uses_with(reads[int(node.target[4:])])
         graph.erase_node(node)
     for node in [n for n in graph.nodes if n.target in ("masked_fill", "masked_fill_", torch.masked_fill)]:
-        if len(node.args) == 3 and isinstance(node.args[2], torch.fx.Node):  # a tensor: 0-d for masked_fill
-            x, mask, value = node.args  # in a select it may be (1, 1, 1, 1), or one per element (per_head[h])
+        value = node.kwargs.get("value", node.args[2] if len(node.args) > 2 else None)  # masked_fill takes a
+        if isinstance(value, torch.fx.Node):  # tensor value 0-d only, and a 0-d read comes as (1, 1, 1, 1)
             with graph.inserting_before(node):
-                out = graph.call_function(torch.where, (mask, graph.call_method("type_as", (value, x)), x))
-                out = graph.call_method("copy_", (x, out)) if node.target == "masked_fill_" else out
-            node.replace_all_uses_with(out)
-            graph.erase_node(node)
+                value = graph.call_method("reshape", (graph.call_function(torch.as_tensor, (value,)), ()))
+            node.args, node.kwargs = node.args[:2], {**node.kwargs, "value": value}
     return torch.fx.GraphModule(nn.Module(), graph), tuple(tracer.reads)
 
 

@@ -2396,8 +2396,8 @@ def test_flex_promotes_a_0d_read_as_torchs_vmap():
             dout = torch.randn_like(out)
             for a, b in zip(*(torch.autograd.grad(o, [q, k, v, c], dout) for o in (out, ref))):
                 torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
-    # masked_fill takes its value 0-d only, a select also (1, 1, 1, 1) and one per element: each of these mods
-    # runs broadcast, not vmapped (element by element: a thousand times slower), and promotes as torch's
+    # masked_fill takes its value 0-d only (the tracer reshapes a tensor value to ()): each of these mods runs
+    # broadcast, not vmapped (element by element: a thousand times slower), and promotes as torch's
     a, b16 = torch.tensor(0.31), torch.tensor(-0.7, dtype=torch.float16)
     c, big, per_head = torch.tensor(0.3141592653589793, dtype=torch.float64), torch.tensor(2**30), torch.rand(H)
     mods = [lambda s, b, h, qi, kv: s.masked_fill(qi < kv, a),
@@ -2406,13 +2406,22 @@ def test_flex_promotes_a_0d_read_as_torchs_vmap():
             lambda s, b, h, qi, kv: s.masked_fill(qi < kv, a).masked_fill(qi > kv + 3, b16) + c * table[qi],
             lambda s, b, h, qi, kv: s.masked_fill(qi < kv, c) + torch.where(qi > kv + 2, c, b16) * kv,
             lambda s, b, h, qi, kv: s.masked_fill(qi > kv + L, big) + (kv * big % 7) * 0.1,  # int64, not int32
-            lambda s, b, h, qi, kv: s.masked_fill(qi < kv, per_head[h]),
-            lambda s, b, h, qi, kv: (s * 2).masked_fill_(qi < kv, c)]  # in place
+            lambda s, b, h, qi, kv: torch.masked_fill(s, qi < kv, value=c) * 2,
+            lambda s, b, h, qi, kv: (s * 2).masked_fill_(qi < kv, c),  # in place
+            lambda s, b, h, qi, kv: s.masked_fill(qi < kv, qi.dim() - 5),  # a traced int (vmapped: dim)
+            lambda s, b, h, qi, kv: s.masked_fill(qi < kv, per_head[h])]  # one per element: vmapped, as torch
     for mod in mods:
-        assert mt._Mod(mod, "score_mod", (1, H, L, L), "cpu", torch.float64).broadcast
+        assert mt._Mod(mod, "score_mod", (1, H, L, L), "cpu", torch.float64).broadcast or mod in mods[-2:]
         with torch.no_grad():
             ref = torch_flex.flex_attention(q.detach(), k.detach(), v.detach(), mod)
         torch.testing.assert_close(mt.flex_attention(q, k, v, mod), ref, atol=1e-10, rtol=0)
+    # as in torch's: a value that overflows the tensor it fills fails, and a mod writing per-element values
+    # into a tensor it reads fails before it writes
+    with pytest.raises(RuntimeError, match="overflow"):
+        mt.flex_attention(q, k, v, lambda s, b, h, qi, kv: s + kv.masked_fill(qi < kv, big * 2) * 1e-9)
+    with pytest.raises(RuntimeError):
+        mt.flex_attention(q, k, v, lambda s, b, h, qi, kv: s + a.masked_fill_(b < 1, c))
+    assert a.item() == pytest.approx(0.31)
 
 
 def test_flex_gradcheck():
