@@ -1581,12 +1581,12 @@ class _Mod:
         indexed (s + table), broadcasts against the block where vmap returns a tensor per element."""
         rows, cols = slice(0, min(shape[2], 4)), slice(0, min(shape[3], 5))
         s = self.b.new_zeros(*shape[:2], rows.stop, cols.stop, dtype=torch.promote_types(dtype, torch.float))
-        try:  # the shapes alone are checked (__call__): no value is read
+        with warnings.catch_warnings(), contextlib.suppress(Exception):  # vmap's warnings (masked_fill has no
+            warnings.simplefilter("ignore")  # batching rule) and errors come again where the mod runs vmapped
             for broadcast in (False, True):  # vmapped first: a mod torch refuses never runs broadcast
                 self(s.clone() if self.score else None, rows, cols, self.inputs, broadcast=broadcast)
-        except Exception:  # the vmapped call raises again, by name, where the mod runs
-            return False
-        return True
+            return True  # the shapes alone were checked (__call__): no value is read
+        return False
 
 
 # The operations whose broadcast result is, element by element, their result on one element (the in-place
@@ -1683,9 +1683,9 @@ def _traced(mod, score):
         graph.erase_node(node)
     for node in [n for n in graph.nodes if n.target in ("masked_fill", "masked_fill_", torch.masked_fill)]:
         value = node.kwargs.get("value", node.args[2] if len(node.args) > 2 else None)  # masked_fill takes a
-        if isinstance(value, torch.fx.Node):  # tensor value 0-d only, and a 0-d read comes as (1, 1, 1, 1)
-            with graph.inserting_before(node):
-                value = graph.call_method("reshape", (graph.call_function(torch.as_tensor, (value,)), ()))
+        if value in reads and tracer.reads[reads.index(value)].dim() == 0:  # tensor value 0-d only, and a 0-d
+            with graph.inserting_before(node):  # read comes to a broadcast call as (1, 1, 1, 1)
+                value = graph.call_method("reshape", (value, ()))
             node.args, node.kwargs = node.args[:2], {**node.kwargs, "value": value}
     return torch.fx.GraphModule(nn.Module(), graph), tuple(tracer.reads)
 
