@@ -1576,9 +1576,8 @@ class _Mod:
             return self(s, slice(0, 1), slice(0, 1), self.inputs, broadcast=False).requires_grad
 
     def _broadcasts(self, shape, dtype):
-        """Whether an element-by-element graph also returns one value per (b, h, q_idx, kv_idx) on broadcast
-        indices where vmap does, on the first (at most) 4 queries and 5 keys: a tensor it reads whole, not
-        indexed (s + table), broadcasts against the block where vmap returns a tensor per element."""
+        """Whether a broadcast call, as a vmapped one, returns a value per (b, h, q_idx, kv_idx), on 4 queries
+        and 5 keys at most (a table read whole, s + table, broadcasts where vmap gives one per element)."""
         rows, cols = slice(0, min(shape[2], 4)), slice(0, min(shape[3], 5))
         s = self.b.new_zeros(*shape[:2], rows.stop, cols.stop, dtype=torch.promote_types(dtype, torch.float))
         with warnings.catch_warnings(), contextlib.suppress(Exception):  # vmap's warnings (masked_fill has no
@@ -1682,11 +1681,12 @@ def _traced(mod, score):
         node.replace_all_uses_with(reads[int(node.target[4:])])
         graph.erase_node(node)
     for node in [n for n in graph.nodes if n.target in ("masked_fill", "masked_fill_", torch.masked_fill)]:
-        value = node.kwargs.get("value", node.args[2] if len(node.args) > 2 else None)  # masked_fill takes a
-        if value in reads and tracer.reads[reads.index(value)].dim() == 0:  # tensor value 0-d only, and a 0-d
-            with graph.inserting_before(node):  # read comes to a broadcast call as (1, 1, 1, 1)
-                value = graph.call_method("reshape", (value, ()))
-            node.args, node.kwargs = node.args[:2], {**node.kwargs, "value": value}
+        user, read = node, node.kwargs.get("value", node.args[2] if len(node.args) > 2 else None)
+        while isinstance(read, torch.fx.Node) and read.target in ("type_as", "to"):  # the value, or what it
+            user, read = read, read.args[0]  # casts: masked_fill takes a tensor 0-d only, and a 0-d read is
+        if read in reads and tracer.reads[reads.index(read)].dim() == 0:  # (1, 1, 1, 1) in a broadcast call
+            with graph.inserting_before(user):
+                user.replace_input_with(read, graph.call_method("reshape", (read, ())))
     return torch.fx.GraphModule(nn.Module(), graph), tuple(tracer.reads)
 
 

@@ -2408,6 +2408,7 @@ def test_flex_promotes_a_0d_read_as_torchs_vmap():
             lambda s, b, h, qi, kv: s.masked_fill(qi > kv + L, big) + (kv * big % 7) * 0.1,  # int64, not int32
             lambda s, b, h, qi, kv: torch.masked_fill(s, qi < kv, value=c) * 2,
             lambda s, b, h, qi, kv: (s * 2).masked_fill_(qi < kv, c),  # in place
+            lambda s, b, h, qi, kv: s.masked_fill(qi < kv, a.type_as(s)) + s.masked_fill(qi > kv, c.to(s)),
             lambda s, b, h, qi, kv: s.masked_fill(qi < kv, qi.dim() - 5),  # a traced int (vmapped: dim)
             lambda s, b, h, qi, kv: s.masked_fill(qi < kv, (qi.dim() + 1) * 0.1),  # a traced float, a double
             lambda s, b, h, qi, kv: s.masked_fill(qi < kv, per_head[h])]  # one per element: vmapped, as torch
