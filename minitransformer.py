@@ -1682,10 +1682,10 @@ def _traced(mod, score):
         graph.erase_node(node)
     for node in [n for n in graph.nodes if n.target in ("masked_fill", "masked_fill_", torch.masked_fill)]:
         user, read = node, node.kwargs.get("value", node.args[2] if len(node.args) > 2 else None)
-        while isinstance(read, torch.fx.Node) and read.target in ("type_as", "to"):  # the value, or what it
-            user, read = read, read.args[0]  # casts: masked_fill takes a tensor 0-d only, and a 0-d read is
-        if read in reads and tracer.reads[reads.index(read)].dim() == 0:  # (1, 1, 1, 1) in a broadcast call
-            with graph.inserting_before(user):
+        while isinstance(read, torch.fx.Node) and read.target in ("type_as", "to") and len(read.users) == 1:
+            user, read = read, read.args[0]  # the value, or the read a cast serves alone: masked_fill takes
+        if read in reads and tracer.reads[reads.index(read)].dim() == 0:  # a tensor 0-d only, and a 0-d read
+            with graph.inserting_before(user):  # is (1, 1, 1, 1) in a broadcast call
                 user.replace_input_with(read, graph.call_method("reshape", (read, ())))
     return torch.fx.GraphModule(nn.Module(), graph), tuple(tracer.reads)
 

@@ -2397,7 +2397,7 @@ def test_flex_promotes_a_0d_read_as_torchs_vmap():
             for a, b in zip(*(torch.autograd.grad(o, [q, k, v, c], dout) for o in (out, ref))):
                 torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
     # masked_fill takes its value 0-d only (the tracer reshapes a 0-d read to ()): these mods run broadcast, not
-    # vmapped (element by element: a thousand times slower), but the last three, and promote as torch's
+    # vmapped (element by element: a thousand times slower), but the last four, and promote as torch's
     a, b16 = torch.tensor(0.31), torch.tensor(-0.7, dtype=torch.float16)
     c, big, per_head = torch.tensor(0.3141592653589793, dtype=torch.float64), torch.tensor(2**30), torch.rand(H)
     mods = [lambda s, b, h, qi, kv: s.masked_fill(qi < kv, a),
@@ -2409,11 +2409,12 @@ def test_flex_promotes_a_0d_read_as_torchs_vmap():
             lambda s, b, h, qi, kv: torch.masked_fill(s, qi < kv, value=c) * 2,
             lambda s, b, h, qi, kv: (s * 2).masked_fill_(qi < kv, c),  # in place
             lambda s, b, h, qi, kv: s.masked_fill(qi < kv, a.type_as(s)) + s.masked_fill(qi > kv, c.to(s)),
+            lambda s, b, h, qi, kv: s.masked_fill(qi < kv, w := c.type_as(s)) + w * per_head[h] * kv,  # twice
             lambda s, b, h, qi, kv: s.masked_fill(qi < kv, qi.dim() - 5),  # a traced int (vmapped: dim)
             lambda s, b, h, qi, kv: s.masked_fill(qi < kv, (qi.dim() + 1) * 0.1),  # a traced float, a double
             lambda s, b, h, qi, kv: s.masked_fill(qi < kv, per_head[h])]  # one per element: vmapped, as torch
     for mod in mods:
-        assert mt._Mod(mod, "score_mod", (1, H, L, L), "cpu", torch.float64).broadcast or mod in mods[-3:]
+        assert mt._Mod(mod, "score_mod", (1, H, L, L), "cpu", torch.float64).broadcast or mod in mods[-4:]
         with torch.no_grad():
             ref = torch_flex.flex_attention(q.detach(), k.detach(), v.detach(), mod)
         torch.testing.assert_close(mt.flex_attention(q, k, v, mod), ref, atol=1e-10, rtol=0)
