@@ -2409,6 +2409,8 @@ def test_flex_promotes_a_0d_read_as_torchs_vmap():
             lambda s, b, h, qi, kv: torch.masked_fill(s, qi < kv, value=c) * 2,
             lambda s, b, h, qi, kv: (s * 2).masked_fill_(qi < kv, c),  # in place
             lambda s, b, h, qi, kv: s.masked_fill(qi < kv, a.type_as(s)) + s.masked_fill(qi > kv, c.to(s)),
+            lambda s, b, h, qi, kv: s.masked_fill(qi < kv, c.to(s).to(torch.float16)) + c * table[qi],
+            lambda s, b, h, qi, kv: (w := c.type_as(s)).masked_fill(qi < kv, w) * table[kv] + s,
             lambda s, b, h, qi, kv: s.masked_fill(qi < kv, w := c.type_as(s)) + w * per_head[h] * kv,  # twice
             lambda s, b, h, qi, kv: s.masked_fill(qi < kv, qi.dim() - 5),  # a traced int (vmapped: dim)
             lambda s, b, h, qi, kv: s.masked_fill(qi < kv, (qi.dim() + 1) * 0.1),  # a traced float, a double
