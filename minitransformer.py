@@ -2099,13 +2099,14 @@ def _check_caches(enc, idx, cache, positions):
         raise ValueError(f"cache holds {len(cache)} KVCaches, {distinct} of them distinct, of {rows} rows "
                          f"and max_len {max_len}, for {len(enc.layers)} layers and {len(idx)} rows of idx: "
                          "one of its own a layer, all of one max_len (kv_caches())")
+    why = "every layer's KVCache must hold as many slots and tokens (each row's) as the first layer's"
+    if (c0 := cache[0]).pos.is_cpu and not torch.compiler.is_compiling():  # read on the host: no device waits
+        if not all(torch.equal(c.length, c0.length) and torch.equal(c.tokens, c0.tokens) for c in cache):
+            state = [[_host_value(c.length), *_host_value(c.tokens.flatten())] for c in cache]
+            raise ValueError(f"{why}: got [slots, each row's tokens] {state}")
+        return
     lengths, tokens = torch.stack([c.length for c in cache]), torch.cat([c.tokens.T for c in cache])
     state = torch.cat([lengths[:, None], tokens], 1)  # (layers, 1 + B)
-    why = "every layer's KVCache must hold as many slots and tokens (each row's) as the first layer's"
-    if cache[0].pos.is_cpu and not torch.compiler.is_compiling():  # read on the host: no device to wait for
-        if not _host_value((state == state[0]).all()):
-            raise ValueError(f"{why}: got [slots, each row's tokens] {_host_value(state)}")
-        return
     torch._assert_async((state == state[0]).all(), why)
 
 
