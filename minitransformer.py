@@ -555,8 +555,8 @@ class Encoder(nn.Module):
                          alibi=c.pos_encoding == "alibi", n_kv_heads=c.n_kv_heads, score_mod=score_mod)
             for _ in range(c.n_layers))
         self.norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps) if c.norm_first else nn.Identity()
-        user = getattr(score_mod, "__self__", score_mod)  # a score_mod that is a module, or a method of one:
-        theirs = set(user.modules()) if isinstance(user, nn.Module) else set()  # its weights keep their init
+        user = getattr(score_mod, "__self__", score_mod)  # a score_mod that is a module, or a method of one,
+        theirs = set(user.modules()) if isinstance(user, nn.Module) else set()  # keeps its own weights
         for module in (m for m in self.modules() if m not in theirs):
             self._init_weights(module)
         for layer in self.layers:  # residual projections: variance of the sum grows with depth (GPT-2)
@@ -2086,9 +2086,9 @@ def _check_mha_call(mha, x, attn_mask, is_causal, need_weights, positions, cu_se
 
 
 def _check_caches(enc, idx, cache, positions):
-    """cache: one KVCache per layer, each with idx's batch size and all of one max_len, holding as many slots
-    and the same tokens in each row (KVCache's length and tokens), so that the first cache's positions serve
-    every layer; positions= is refused: the caches place the tokens."""
+    """cache: one KVCache of its own per layer, each with idx's batch size and all of one max_len, each
+    holding as many slots (its length) and as many tokens in each row (its tokens) as the first, so that the
+    first cache's positions serve every layer; positions= is refused: the caches place the tokens."""
     if cache is None:
         return
     if positions is not None:
@@ -2099,7 +2099,7 @@ def _check_caches(enc, idx, cache, positions):
         raise ValueError(f"cache holds {len(cache)} KVCaches, {distinct} of them distinct, of {rows} rows "
                          f"and max_len {max_len}, for {len(enc.layers)} layers and {len(idx)} rows of idx: "
                          "one per layer, each its own, all of one max_len (kv_caches())")
-    c0, why = cache[0], "every KVCache must hold as many slots and tokens (each row's) as the first layer's"
+    c0, why = cache[0], "every layer's KVCache must hold as many slots, and tokens in each row, as the first"
     if c0.pos.is_cpu and not torch.compiler.is_compiling():  # read on the host: no device to wait for
         if not all(torch.equal(c.length, c0.length) and torch.equal(c.tokens, c0.tokens) for c in cache[1:]):
             state = [[_host_value(c.length), *_host_value(c.tokens.flatten())] for c in cache]

@@ -1889,8 +1889,8 @@ def test_the_encoder_refuses_caches_that_disagree_across_layers():
                                 ([], r"cache holds 0 KVCaches"),
                                 ([cache[0], enc.kv_caches(2)[1]], r"of \{1, 2\} rows"),
                                 ([cache[0], mt.KVCache(1, 2, 9, 32)], r"max_len \{8, 9\}"),
-                                (cache, r"every KVCache must hold as many slots and tokens \(each row's\) as the "
-                                        r"first layer's: got \[slots, each row's tokens\] \[\[4, 4\], \[6, 6\]\]")):
+                                (cache, r"every layer's KVCache must hold as many slots, and tokens in each "
+                                        r"row, as the first: got \[slots, each row's tokens\] \[\[4, 4\], \[6, 6\]\]")):
             with pytest.raises(ValueError, match=message):
                 enc(token, is_causal=True, cache=caches)
         assert_caches_unchanged(cache, before)
