@@ -18,16 +18,15 @@ the block loops, the backward's end); accumulators and statistics float32:
                        3 * B*H*n^2 * e (out comes after them), and the bool mask, n^2 bytes
               fwd+bwd: P, dP, dS, 3 * B*H*n^2 * e, and out, dV (and a mask's n^2 bytes)
     chunked   fwd:     out; m, log2 l, 2 * B*H*n * 4; o, B*H*cq*Dv * 4; one block of scores, B*H*cq*ck * 4
-              fwd+bwd: out; dQ, dK, dV in float32, B*H*n*(2D + Dv) * 4; m, log2 l and their gradients; four blocks
+              fwd+bwd: out; dQ, dK, dV in float32, B*H*n*(2D + Dv) * 4; m, log2 l and their gradients; two blocks
     flash     fwd:     out; logsumexp, B*H*n * 4; per CPU thread a (qs, ks) block with its rows (a mask: our bool
                        mask and SDPA's bias made of it, n^2 * (1 + e))
               fwd+bwd: out, logsumexp (a mask), dQ, dK, dV, dout in the kernel's layout, per thread a P and a
                        dP block; or the forward's peak where it weighs more (a CPU's AMX packs K and V there)
     ring      per rank (n / P each): o, m, l; K/V pairs in flight; fwd+bwd: out, dQ, and dK/dV pairs in float32
 
-The forward makes every block of scores in one buffer; in the backward a block lives until its name is
-rebound, so with several key blocks step j's blocks are computed while step j - 1's still exist: four. The
-terms of 16-bit inputs, ALiBi, documents, SDPA's CUDA kernels and the caching allocator are in each
+The forward makes every block of scores in one buffer, the backward in two (S_j, then P_j and dS_j; dP_j).
+The terms of 16-bit inputs, ALiBi, documents, SDPA's CUDA kernels and the caching allocator are in each
 function's docstring.
 """
 
@@ -158,15 +157,15 @@ def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, keys, copies, alibi=0, Hk
     """The blocks of one block of query rows at its heaviest moment (attend_block, attend_block_backward).
 
     (cq, ck) blocks of scores in float32: the forward makes S_j and P_j in one buffer, reused for every j; the
-    backward makes S_j, P_j and dP_j anew, and a block lives until its name is rebound, so with several key
-    blocks those of step j - 1 are still alive while step j computes its own (dS_j is P_j, updated in place,
-    and keeps it). 16-bit inputs add blocks rounded to their dtype (P_j and dS_j, for the products), which a
-    CPU multiplies as float32 copies (`copies`: _matmul), beside float32 copies of the operands (rows of q or
-    dout, key blocks of k or v) and the products. Each phase: (float32 blocks, 16-bit blocks, bytes of copies
-    and products). alibi: ALiBi's bias, added to S_j in place from the distances (cq, ck), made beside it
-    after the copies its product took. Hkv: the heads of K and V (grouped-query attention), which key blocks
-    have. keys: how many keys a block of query rows visits; where they end inside the second key block, the
-    backward's blocks of step j are that narrow beside the full ones of step j - 1 (and step 0 is a phase alone).
+    backward makes S_j (then P_j, and dS_j in place) and dP_j in two, reused alike. 16-bit inputs add blocks
+    rounded to their dtype (P_j and dS_j, for the products), which a CPU multiplies as float32 copies
+    (`copies`: _matmul), beside float32 copies of the operands (rows of q or dout, key blocks of k or v) and
+    the products; the rounded dS_j lives until its name is rebound, so with several key blocks step j - 1's is
+    still alive while step j computes. Each phase: (float32 blocks, 16-bit blocks, bytes of copies and
+    products). alibi: ALiBi's bias, added to S_j in place from the distances (cq, ck), made beside it after the
+    copies its product took. Hkv: the heads of K and V (grouped-query attention), which key blocks have. keys:
+    how many keys a block of query rows visits; where they end inside the second key block, step j's 16-bit
+    blocks, copies and products are that narrow (and step 0 is a phase alone).
     """
     several = keys > ck
     acc = max(itemsize, 4)
@@ -177,22 +176,17 @@ def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, keys, copies, alibi=0, Hk
         phases = [(1, 0, rows * D + cols * D), (2, 1, cols * Dv)]
     elif mode == "fwd":  # P_j V_j, P_j low if 16-bit, its product added to o (CUDA: made first)
         phases = [(1, 1, rows * Dv * (itemsize < 4))]
-    elif copies:  # dP_j (beside P_{j-1}, kept by dS's name, and dP_{j-1}), P_j^T dO, dS_j K_j and dS_j^T Q
-        def step(now, then):  # step j's blocks `now` key blocks wide, beside `then` (0 or 1) of step j - 1's
-            return [(2 * now + 2 * then, then, rows * Dv + cols * Dv * now),
-                    (3 * now + then, now + then, rows * Dv),
-                    (3 * now + then, kept * now + then, rows * Dv + cols * Dv * now),
-                    (3 * now, now, rows * D + cols * D * now)]
+    else:  # S_j = Q K_j^T, dP_j = dO V_j^T, P_j^T dO (P_j rounded), dS_j rounded, dS_j K_j and dS_j^T Q
+        def step(now, then):  # step j's blocks `now` key blocks wide, beside `then` (0 or 1) of step j - 1's dS_j
+            if not copies:
+                return [(2, then + now, cols * Dv * now), (2, then + now, 0), (2, now, max(rows * D, cols * D * now))]
+            return [(2, then, rows * D + cols * D * now), (2, then, rows * Dv + cols * Dv * now),
+                    (2 + now, then + now, rows * Dv), (2 + now, then + kept * now, rows * Dv + cols * Dv * now),
+                    (2, then + now, 0), (2 + now, now, rows * D + cols * D * now)]
         phases = step(1, 0) + (step(min(ck, keys - ck) / ck, 1) if several else [])  # step 0, then the second
-    elif several:  # P_{j-1} and dP_{j-1} beside P_j and dP_j, then P_j^T dO beside P_{j-1}, P_j and dP_j;
-        nxt = min(ck, keys - ck) / ck  # the second block's share; and step 0 alone, a product beside P_0, dP_0
-        phases = [(2 + 2 * nxt, 1, 0), (1 + 2 * nxt, 2, cols * Dv * nxt),
-                  (2, 1, max(cols * Dv, rows * D, cols * D))]
-    else:
-        phases = [(2, 1, max(cols * Dv, rows * D, cols * D))]  # a product beside P_j and dP_j
-    if alibi:  # S_j (beside P_{j-1} and dP_{j-1}, backward)
+    if alibi:  # S_j (and dP_j, beside step j - 1's dS_j, backward)
         bwd = mode != "fwd"
-        phases.append((1 + 2 * several * bwd, several * bwd, cq * ck * acc))
+        phases.append((1 + bwd, several * bwd, cq * ck * acc))
     blocks, lows, extra = max(phases, key=lambda ph: ph[0] * block + ph[1] * low + ph[2])
     terms = {f"{blocks:.3g} blocks of scores (B, H, cq, ck) float32": blocks * block,
              "products (and float32 copies of 16-bit operands), ALiBi's distances": extra}

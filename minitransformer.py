@@ -1055,9 +1055,7 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     mask = Visibility(rules, shift, attn_mask=attn_mask).dense(q.size(-2), k.size(-2), q.device)
     if k.size(1) != q.size(1):  # grouped-query attention, written out: query head h reads K/V head h // G
         k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
-    dead = None
-    if mask is not None:
-        mask, dead = _reopen_dead_rows(mask)
+    mask, dead = (None, None) if mask is None else _reopen_dead_rows(mask)
     with _no_autocast(q):  # the inputs' dtype decides, as in any function
         scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Lq, Lk)
         weights = torch.softmax(_apply_mask(scores, mask), dim=-1).to(v.dtype)
@@ -1075,10 +1073,10 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 # As in the core, each block of query rows visits the key blocks (cols) it sees, keeping per query m, l and o,
 # and out = o / l at the end. Beside the per-query statistics a few (cq, ck) blocks of scores are alive at
 # once: in the forward one buffer that every S_j and P_j is made in (a CPU pays a new block in page faults;
-# 16-bit inputs add rounded copies, dropout its hashes, a score_mod its results), in the backward four (P and
-# dP of this step and the last, dS being P updated in place), since a block lives until its name is rebound
-# (cost_model.py counts them). Scores are kept in base 2, exp(x) = exp2(x * log2(e)), as FlashAttention does
-# on a GPU, where exp2 is the native instruction; log2(e) rides in the scale of the product that makes S.
+# 16-bit inputs add rounded copies, dropout its hashes, a score_mod its results), in the backward two reused
+# alike, S_j's (then P_j and dS_j) and dP_j's (cost_model.py counts them). Scores are kept in base 2,
+# exp(x) = exp2(x * log2(e)), as FlashAttention does on a GPU, where exp2 is the native instruction; log2(e)
+# rides in the scale of the product that makes S.
 
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 
@@ -1157,10 +1155,12 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
     if opts.dlse is not None:  # lse's gradient too: dS = P * (dP - Delta + dlse)
         delta = delta - opts.dlse[:, :, rows]
     q_i, dout_i = _per_kv_head(q[:, :, rows], k), _per_kv_head(dout_i, k)  # (B, H_kv, G * cq, D or Dv)
+    n = math.prod(q_i.shape[:-1]) * min(opts.ck, k.size(-2))  # one block's elements
+    scratch = m.new_empty(n), m.new_empty(n)  # S_j (P_j, dS_j), dP_j; not one's views: autograd may save S_j
     for cols in opts.vis.key_blocks(rows, k.size(-2), opts.ck):
-        s, pullback = _scores(q_i, k, rows, cols, opts, backward=True)
+        s, pullback = _scores(q_i, k, rows, cols, opts, scratch=scratch[0], backward=True)
         p = s.sub_(m).sub_(log2_l).exp2_()  # P_j (B, H, cq, ck)
-        dp = _matmul(dout_i, v[:, :, cols].transpose(-2, -1)).view(p.shape)  # (B, H, cq, ck)
+        dp = _matmul(dout_i, v[:, :, cols].transpose(-2, -1), out=scratch[1]).view(p.shape)  # (B, H, cq, ck)
         p_dropped = p
         if opts.dropout_p > 0.0:  # the forward's mask
             keep = _keep_bits(opts.row_hash[:, :, rows], opts.col_hash[cols], opts.dropout_p)
