@@ -25,7 +25,7 @@ the block loops, the backward's end); accumulators and statistics float32:
                        dP block; or the forward's peak where it weighs more (a CPU's AMX packs K and V there)
     ring      per rank (n / P each): o, m, l; K/V pairs in flight; fwd+bwd: out, dQ, and dK/dV pairs in float32
 
-The forward makes every block of scores in one buffer, the backward in two (S_j, then P_j and dS_j; dP_j).
+The forward makes every block of scores in one buffer; the backward in two, one for S_j (then P_j, dS_j), one for dP_j.
 The terms of 16-bit inputs, ALiBi, documents, SDPA's CUDA kernels and the caching allocator are in each
 function's docstring.
 """
@@ -165,7 +165,7 @@ def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, keys, copies, alibi=0, Hk
     products). alibi: ALiBi's bias, added to S_j in place from the distances (cq, ck), made beside it after the
     copies its product took. Hkv: the heads of K and V (grouped-query attention), which key blocks have. keys:
     how many keys a block of query rows visits; where they end inside the second key block, step j's 16-bit
-    blocks, copies and products are that narrow (and step 0 is a phase alone).
+    blocks, copies and products are that narrow (and step 0, with no step j - 1 beside it, is counted apart).
     """
     several = keys > ck
     acc = max(itemsize, 4)
@@ -178,7 +178,7 @@ def _block_memory(B, H, cq, ck, D, Dv, itemsize, mode, keys, copies, alibi=0, Hk
         phases = [(1, 1, rows * Dv * (itemsize < 4))]
     else:  # S_j = Q K_j^T, dP_j = dO V_j^T, P_j^T dO (P_j rounded), dS_j rounded, dS_j K_j and dS_j^T Q
         def step(now, then):  # step j's blocks `now` key blocks wide, beside `then` (0 or 1) of step j - 1's dS_j
-            if not copies:
+            if not copies:  # P_j^T dO beside P_j rounded; dS_j rounded; dS_j K_j or dS_j^T Q, the larger
                 return [(2, then + now, cols * Dv * now), (2, then + now, 0), (2, now, max(rows * D, cols * D * now))]
             return [(2, then, rows * D + cols * D * now), (2, then, rows * Dv + cols * Dv * now),
                     (2 + now, then + now, rows * Dv), (2 + now, then + kept * now, rows * Dv + cols * Dv * now),

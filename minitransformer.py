@@ -1071,12 +1071,11 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 # inputs, dropout that the backward regenerates, hidden blocks skipped, and one custom operator for compile.
 #
 # As in the core, each block of query rows visits the key blocks (cols) it sees, keeping per query m, l and o,
-# and out = o / l at the end. Beside the per-query statistics a few (cq, ck) blocks of scores are alive at
-# once: in the forward one buffer that every S_j and P_j is made in (a CPU pays a new block in page faults;
-# 16-bit inputs add rounded copies, dropout its hashes, a score_mod its results), in the backward two reused
-# alike, S_j's (then P_j and dS_j) and dP_j's (cost_model.py counts them). Scores are kept in base 2,
-# exp(x) = exp2(x * log2(e)), as FlashAttention does on a GPU, where exp2 is the native instruction; log2(e)
-# rides in the scale of the product that makes S.
+# and out = o / l at the end. Beside m, l and o a few (cq, ck) blocks of scores are alive (cost_model.py
+# counts them): one buffer that every S_j and P_j is made in, reused from j to j (a CPU pays a new block in
+# page faults), a second for dP_j in the backward, and 16-bit copies, dropout's hashes (and a copy of P_j in
+# the backward) and a score_mod's results. Scores are kept in base 2, exp(x) = exp2(x * log2(e)), as
+# FlashAttention does on a GPU, where exp2 is the native instruction; log2(e) scales the product that makes S.
 
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 
@@ -1155,8 +1154,9 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
     if opts.dlse is not None:  # lse's gradient too: dS = P * (dP - Delta + dlse)
         delta = delta - opts.dlse[:, :, rows]
     q_i, dout_i = _per_kv_head(q[:, :, rows], k), _per_kv_head(dout_i, k)  # (B, H_kv, G * cq, D or Dv)
-    n = math.prod(q_i.shape[:-1]) * min(opts.ck, k.size(-2))  # one block's elements
-    scratch = m.new_empty(n), m.new_empty(n)  # S_j (P_j, dS_j), dP_j; not one's views: autograd may save S_j
+    # S_j (then P_j, dS_j) and dP_j, reused for every j; two tensors, not views of one: a write into a view
+    # bumps its base's version, and autograd would refuse an S_j that a score_mod's graph saved
+    scratch = [m.new_empty(math.prod(q_i.shape[:-1]) * min(opts.ck, k.size(-2))) for _ in range(2)]
     for cols in opts.vis.key_blocks(rows, k.size(-2), opts.ck):
         s, pullback = _scores(q_i, k, rows, cols, opts, scratch=scratch[0], backward=True)
         p = s.sub_(m).sub_(log2_l).exp2_()  # P_j (B, H, cq, ck)
