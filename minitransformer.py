@@ -1096,11 +1096,11 @@ def attend_block(q, k, v, rows, o, m, l, opts):
     """
     if q.size(0) * q.size(1) == 0:  # an empty batch, or no heads: nothing to attend
         return
-    q_i = _per_kv_head(q[:, :, rows], k)  # (B, H_kv, G * cq, D)
-    o_i = o.view(*q_i.shape[:-1], o.size(-1))  # (B, H_kv, G * cq, Dv), a view: the products are added into o
-    scratch = o.new_empty(math.prod(q_i.shape[:-1]) * min(opts.ck, k.size(-2)))  # S_j and P_j, every j
+    q_i, k_all, v_all = _per_kv_head(q[:, :, rows], k), k.flatten(0, 1), v.flatten(0, 1)  # (B * H_kv, .., ..)
+    o_i = o.view(*q_i.shape[:-1], o.size(-1))  # (B * H_kv, G * cq, Dv), a view: the products are added into o
+    scratch = o.new_empty(q_i.size(0) * q_i.size(1) * min(opts.ck, k.size(-2)))  # S_j and P_j, every j
     for cols in opts.vis.key_blocks(rows, k.size(-2), opts.ck):
-        s = _scores(q_i, k, rows, cols, opts, scratch=scratch)  # (B, H, cq, ck)
+        s = _scores(q_i, k_all, rows, cols, opts, scratch=scratch, H=q.size(1))  # (B, H, cq, ck)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         p = s.sub_(m_new).exp2_()  # P_j, in place: no second block-sized buffer
         alpha = m.sub_(m_new).exp2_()  # in m's place, which takes m' once o is rescaled
@@ -1108,7 +1108,7 @@ def attend_block(q, k, v, rows, o, m, l, opts):
         if opts.dropout_p > 0.0:
             _drop(p, _keep_bits(opts.row_hash[:, :, rows], opts.col_hash[cols], opts.dropout_p))
         o.mul_(alpha)
-        _matmul(_per_kv_head(p.to(v.dtype), k), v[:, :, cols], out=o_i, add=True)  # P in the inputs' dtype
+        _matmul(_per_kv_head(p.to(v.dtype), k), v_all[:, cols], out=o_i, add=True)  # P in the inputs' dtype
         m.copy_(m_new)
 
 
@@ -1153,20 +1153,22 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
     delta = (dout_i.to(m.dtype) * out[:, :, rows].to(m.dtype)).sum(-1, keepdim=True)  # rowsum(dO * O)
     if opts.dlse is not None:  # lse's gradient too: dS = P * (dP - Delta + dlse)
         delta = delta - opts.dlse[:, :, rows]
-    q_i, dout_i = _per_kv_head(q[:, :, rows], k), _per_kv_head(dout_i, k)  # (B, H_kv, G * cq, D or Dv)
+    q_i, dout_i = _per_kv_head(q[:, :, rows], k), _per_kv_head(dout_i, k)  # (B * H_kv, G * cq, D or Dv)
+    k_all, v_all = k.flatten(0, 1), v.flatten(0, 1)  # (B * H_kv, Lk, D or Dv)
     # S_j (then P_j, dS_j) and dP_j, reused for every j; two tensors, not views of one: a write into a view
     # bumps its base's version, and autograd would refuse an S_j that a score_mod's graph saved
-    scratch = [m.new_empty(math.prod(q_i.shape[:-1]) * min(opts.ck, k.size(-2))) for _ in range(2)]
+    scratch = [m.new_empty(q_i.size(0) * q_i.size(1) * min(opts.ck, k.size(-2))) for _ in range(2)]
     for cols in opts.vis.key_blocks(rows, k.size(-2), opts.ck):
-        s, pullback = _scores(q_i, k, rows, cols, opts, scratch=scratch[0], backward=True)
+        s, pullback = _scores(q_i, k_all, rows, cols, opts, scratch=scratch[0], backward=True, H=q.size(1))
         p = s.sub_(m).sub_(log2_l).exp2_()  # P_j (B, H, cq, ck)
-        dp = _matmul(dout_i, v[:, :, cols].transpose(-2, -1), out=scratch[1]).view(p.shape)  # (B, H, cq, ck)
+        dp = _matmul(dout_i, v_all[:, cols].transpose(1, 2), out=scratch[1]).view(p.shape)  # (B, H, cq, ck)
         p_dropped = p
         if opts.dropout_p > 0.0:  # the forward's mask
             keep = _keep_bits(opts.row_hash[:, :, rows], opts.col_hash[cols], opts.dropout_p)
             p_dropped = _drop(p.clone(), keep)
             _drop(dp, keep).mul_(1.0 / (1.0 - opts.dropout_p))
-        dv[:, :, cols] += _matmul(_per_kv_head(p_dropped.to(q.dtype), k).transpose(-2, -1), dout_i)  # over G
+        dv[:, :, cols] += _matmul(_per_kv_head(p_dropped.to(q.dtype), k).transpose(1, 2), dout_i).view(
+            dv[:, :, cols].shape)  # summed over G; P_j's rounded copy a temporary, gone before dS_j's
         ds = p.mul_(dp.sub_(delta))  # dS_j
         if dmask is not None:  # the mask is added to the scores: its gradient is dS, summed where broadcast
             dm = dmask[..., rows if dmask.size(-2) != 1 else slice(None), :]
@@ -1175,8 +1177,8 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
         if pullback is not None:  # back through score_mod; the tensors it reads get theirs (Visibility)
             ds = pullback(ds)
         ds_low = _per_kv_head(ds.to(q.dtype), k)  # rounded to the inputs' dtype for the products, as P is
-        dq[:, :, rows] += _matmul(ds_low, k[:, :, cols]).view(p.shape[:-1] + (dq.size(-1),))
-        dk[:, :, cols] += _matmul(ds_low.transpose(-2, -1), q_i)
+        dq[:, :, rows] += _matmul(ds_low, k_all[:, cols]).view(p.shape[:-1] + (dq.size(-1),))
+        dk[:, :, cols] += _matmul(ds_low.transpose(1, 2), q_i).view(dk[:, :, cols].shape)
 
 
 def chunked_backward(dout, q, k, v, out, m, log2_l, opts, cq, mask_grad=False):
@@ -1719,15 +1721,15 @@ _BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(a, b, ou
 
 
 def _per_kv_head(x, k):
-    """x (B, H, rows, n) as (B, H_kv, G * rows, n): the G query heads that read one K/V head stacked along the
-    rows, so one product with each K/V block serves them all (GQA); a view where G = 1 or x is contiguous."""
-    return x.reshape(x.size(0), k.size(1), x.size(1) // k.size(1) * x.size(2), x.size(-1))
+    """x (B, H, rows, n) as (B * H_kv, G * rows, n) for bmm, the G query heads that read one K/V head stacked
+    along the rows: one product with each K/V block serves them all (GQA); a view of a contiguous x's rows."""
+    return x.reshape(x.size(0) * k.size(1), x.size(1) // k.size(1) * x.size(2), x.size(-1))
 
 
 def _matmul(a, b, alpha=1.0, out=None, add=False):
-    """alpha * (a @ b) for a (B, H, m, k) and b (B, H, k, n), in float32 (float64 for float64). out: a flat
+    """alpha * (a @ b) for a (N, m, k) and b (N, k, n), in float32 (float64 for float64). out: a flat
     buffer the product is written to, reused block after block (a new block each step costs the CPU a pass of
-    page faults); with add, a (B, H, m, n) tensor the product is added to, inside the GEMM (on CUDA in 16
+    page faults); with add, an (N, m, n) tensor the product is added to, inside the GEMM (on CUDA in 16
     bits the product is made apart, then added).
 
     FlashAttention-2's precision: the operands are multiplied in the inputs' dtype and the
@@ -1735,30 +1737,29 @@ def _matmul(a, b, alpha=1.0, out=None, add=False):
     elsewhere float16 and bfloat16 are converted to float32 first, which is exact, so a CPU
     computes what a GPU does (up to the order of the sums).
     """
-    shape = (*a.shape[:-1], b.size(-1))  # (B, H, m, n)
-    a, b = a.flatten(0, 1), b.flatten(0, 1)  # (B*H, m, k), (B*H, k, n)
-    res = None if out is None or add else out[:math.prod(shape)].view(a.size(0), *shape[-2:])  # (B*H, m, n)
+    shape = (a.size(0), a.size(1), b.size(2))  # (N, m, n)
+    res = None if out is None or add else out[:math.prod(shape)].view(shape)
     if a.dtype in (torch.float16, torch.bfloat16):
         if a.is_cuda and _BMM_OUT_DTYPE:
-            prod = torch.bmm(a, b, out_dtype=torch.float32, out=res).view(shape)
+            prod = torch.bmm(a, b, out_dtype=torch.float32, out=res)
             prod = prod if alpha == 1.0 else prod.mul_(alpha)
             return out.add_(prod) if add else prod
         a, b = a.float(), b.float()
-    if add:  # a view of out, never a copy that would drop the sum
-        return out.view(a.size(0), *shape[-2:]).baddbmm_(a, b, alpha=alpha).view(shape)
+    if add:
+        return out.baddbmm_(a, b, alpha=alpha)
     if alpha == 1.0:
-        return torch.bmm(a, b, out=res).view(shape)
-    return torch.baddbmm(a.new_empty(()), a, b, beta=0, alpha=alpha, out=res).view(shape)  # alpha in the GEMM
+        return torch.bmm(a, b, out=res)
+    return torch.baddbmm(a.new_empty(()), a, b, beta=0, alpha=alpha, out=res)  # alpha in the GEMM
 
 
-def _scores(q_i, k, rows, cols, opts, scratch=None, backward=False):
+def _scores(q_i, k_all, rows, cols, opts, scratch=None, backward=False, *, H):
     """S_j of one block, (B, H, rows, cols), float32 (float64 for float64), in base 2, with every variant of
-    the call applied (Visibility.scores); the backward recomputes it, and also gets the pullback through a
-    user's score_mod (None without one). q_i: the queries `rows` as _per_kv_head lays them out; scratch: a
-    flat buffer to make S_j in (_matmul's out)."""
-    k_j = k[:, :, cols].transpose(-2, -1)  # (B, H_kv, D, cols)
-    s = _matmul(q_i, k_j, opts.scale * opts.base, scratch)  # (B, H_kv, G * rows, cols)
-    s = s.view(s.size(0), -1, rows.stop - rows.start, s.size(-1))  # (B, H, rows, cols)
+    the call applied (Visibility.scores); the backward also gets the pullback through a user's score_mod (None
+    without one). q_i: the queries `rows` as _per_kv_head lays them out; k_all: every key, (B * H_kv, Lk, D);
+    H: q's heads; scratch: a flat buffer to make S_j in (_matmul's out)."""
+    k_j = k_all[:, cols].transpose(1, 2)  # (B * H_kv, D, cols)
+    s = _matmul(q_i, k_j, opts.scale * opts.base, scratch)  # (B * H_kv, G * rows, cols)
+    s = s.view(-1, H, rows.stop - rows.start, s.size(-1))  # (B, H, rows, cols)
     return opts.vis.scores(s, rows, cols, backward)
 
 
