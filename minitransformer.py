@@ -1092,12 +1092,13 @@ def attend_block(q, k, v, rows, o, m, l, opts):
     float32 (float64 for float64), are updated in place; opts: block_options. m starts at the lowest finite
     value, not -inf: a row that has seen no key keeps it, and its P_j is exp2(-inf - m') = 0, where -inf would
     give exp2(-inf + inf) = NaN. k, v may have fewer heads (GQA; o must then be contiguous: the products are
-    added into a view of it in that layout).
+    added into its view (B * H_kv, G * rows, Dv), G = H / H_kv).
     """
     if q.size(0) * q.size(1) == 0:  # an empty batch, or no heads: nothing to attend
         return
-    q_i, k_all, v_all = _per_kv_head(q[:, :, rows], k), k.flatten(0, 1), v.flatten(0, 1)  # (B * H_kv, .., ..)
-    o_i = o.view(*q_i.shape[:-1], o.size(-1))  # (B * H_kv, G * cq, Dv), a view: the products are added into o
+    q_i = _per_kv_head(q[:, :, rows], k)  # (B * H_kv, G * rows, D)
+    k_all, v_all = k.flatten(0, 1), v.flatten(0, 1)  # (B * H_kv, Lk, D or Dv)
+    o_i = o.view(*q_i.shape[:-1], o.size(-1))  # (B * H_kv, G * rows, Dv), a view: P V is added into o
     scratch = o.new_empty(q_i.size(0) * q_i.size(1) * min(opts.ck, k.size(-2)))  # S_j and P_j, every j
     for cols in opts.vis.key_blocks(rows, k.size(-2), opts.ck):
         s = _scores(q_i, k_all, rows, cols, opts, scratch=scratch, H=q.size(1))  # (B, H, cq, ck)
@@ -1153,7 +1154,7 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
     delta = (dout_i.to(m.dtype) * out[:, :, rows].to(m.dtype)).sum(-1, keepdim=True)  # rowsum(dO * O)
     if opts.dlse is not None:  # lse's gradient too: dS = P * (dP - Delta + dlse)
         delta = delta - opts.dlse[:, :, rows]
-    q_i, dout_i = _per_kv_head(q[:, :, rows], k), _per_kv_head(dout_i, k)  # (B * H_kv, G * cq, D or Dv)
+    q_i, dout_i = _per_kv_head(q[:, :, rows], k), _per_kv_head(dout_i, k)  # (B * H_kv, G * rows, D or Dv)
     k_all, v_all = k.flatten(0, 1), v.flatten(0, 1)  # (B * H_kv, Lk, D or Dv)
     # S_j (then P_j, dS_j) and dP_j, reused for every j; two tensors, not views of one: a write into a view
     # bumps its base's version, and autograd would refuse an S_j that a score_mod's graph saved
@@ -1168,7 +1169,7 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
             p_dropped = _drop(p.clone(), keep)
             _drop(dp, keep).mul_(1.0 / (1.0 - opts.dropout_p))
         dv[:, :, cols] += _matmul(_per_kv_head(p_dropped.to(q.dtype), k).transpose(1, 2), dout_i).view(
-            dv[:, :, cols].shape)  # summed over G; P_j's rounded copy a temporary, gone before dS_j's
+            dv[:, :, cols].shape)  # summed over G; P_j in q's dtype is a temporary, freed before dS_j's copy
         ds = p.mul_(dp.sub_(delta))  # dS_j
         if dmask is not None:  # the mask is added to the scores: its gradient is dS, summed where broadcast
             dm = dmask[..., rows if dmask.size(-2) != 1 else slice(None), :]
@@ -1721,8 +1722,8 @@ _BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(a, b, ou
 
 
 def _per_kv_head(x, k):
-    """x (B, H, rows, n) as (B * H_kv, G * rows, n) for bmm, the G query heads that read one K/V head stacked
-    along the rows: one product with each K/V block serves them all (GQA); a view of a contiguous x's rows."""
+    """x (B, H, rows, n) as (B * H_kv, G * rows, n) for bmm, each K/V head's G query heads stacked along the
+    rows: one product per K/V block serves them all (GQA); a view of a contiguous x, or its rows if G = 1."""
     return x.reshape(x.size(0) * k.size(1), x.size(1) // k.size(1) * x.size(2), x.size(-1))
 
 
@@ -2210,12 +2211,10 @@ def _positions(T, max_len, positions):
 
 
 def _check_positions(positions, T):
-    """positions, if it gives one position to each of the T tokens; else a clear error (broadcast, a wrong
-    length would put tokens at another token's position). Its shape is known on the host: no sync."""
+    """A clear error unless positions is (T,), one per token: broadcast, any other shape misplaces tokens."""
     if positions.shape != (T,):
         raise ValueError(f"positions must give one position to each of the {T} tokens, a ({T},) tensor, got "
                          f"shape {tuple(positions.shape)}")
-    return positions
 
 
 def _host_value(t):
