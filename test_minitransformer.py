@@ -769,12 +769,14 @@ def test_empty_batches_heads_queries_and_keys_give_what_sdpa_gives(impl):
         q, k, _ = make_qkv(B, H, Lq, Lk, D)
         v = torch.randn(B, H, Lk, Dv, dtype=torch.float64)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        want = F.scaled_dot_product_attention(q, k, v, scale=1.0)  # zeros where a query sees no key
-        out = run_path(impl, q, k, v, scale=1.0)
-        assert out.shape == want.shape == (B, H, Lq, Dv)
-        torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
-        for g, g_want in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v))):
-            torch.testing.assert_close(g, g_want, atol=1e-12, rtol=0)
+        for scale in (1.0, None):  # D = 0 with the default scale 1 / sqrt(0): SDPA's scores are still 0
+            want = F.scaled_dot_product_attention(q, k, v, scale=scale)  # zeros where a query sees no key
+            out = run_path(impl, q, k, v, scale=scale)
+            assert out.shape == want.shape == (B, H, Lq, Dv)
+            torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+            grads = zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v)))
+            for g, g_want in grads:
+                torch.testing.assert_close(g, g_want, atol=1e-12, rtol=0)
 
 
 def test_few_queries_take_more_keys_a_block_in_the_same_area():
