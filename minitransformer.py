@@ -1178,7 +1178,7 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
         if pullback is not None:  # back through score_mod; the tensors it reads get theirs (Visibility)
             ds = pullback(ds)
         ds_low = _per_kv_head(ds.to(q.dtype), k)  # rounded to the inputs' dtype for the products, as P is
-        dq[:, :, rows] += _matmul(ds_low, k_all[:, cols]).view(p.shape[:-1] + (dq.size(-1),))
+        dq[:, :, rows] += _matmul(ds_low, k_all[:, cols]).view(dq[:, :, rows].shape)
         dk[:, :, cols] += _matmul(ds_low.transpose(1, 2), q_i).view(dk[:, :, cols].shape)
 
 
