@@ -1389,23 +1389,12 @@ def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_siz
     return BlockOptions(scale, ck, vis, dropout_p, *hashes, base=base)
 
 
-def _autocast_off(op):
-    """Run op with autocast disabled: autocast reaches the products inside a custom op and would
-    round them to 16 bits (and the backward, run outside autocast, would then disagree)."""
-    @functools.wraps(op)
-    def run(*args, **kwargs):
-        with torch.autocast(args[0].device.type, enabled=False):
-            return op(*args, **kwargs)
-    return run
-
-
 # The operators' namespace is the module's own name: a copy imported under another name registers operators
 # of its own, never replacing these (importlib.reload, under the same name, replaces them).
 _OPS = re.sub(r"\W", "_", __name__)
 
 
 @torch.library.custom_op(f"{_OPS}::chunked_attention_fwd", mutates_args=())
-@_autocast_off
 def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                  seed: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
                  alibi_slopes: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: float,
@@ -1413,12 +1402,13 @@ def _chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """chunked_forward as an operator: out, m, log2(l)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # every block a view, never a copy
-    return chunked_forward(q, k, v, block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale,
-                                                  window_size, ck, cu_seqlens, alibi_slopes, shift), cq)
+    opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens,
+                         alibi_slopes, shift)
+    with _no_autocast(q):  # it reaches the products inside an operator, and would round them to 16 bits
+        return chunked_forward(q, k, v, opts, cq)
 
 
 @torch.library.custom_op(f"{_OPS}::chunked_attention_bwd", mutates_args=())
-@_autocast_off
 def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  m: torch.Tensor, log2_l: torch.Tensor, attn_mask: Optional[torch.Tensor],
                  seed: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
@@ -1431,7 +1421,8 @@ def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens,
                          alibi_slopes, shift)
     opts.dlse = dlse
-    dq, dk, dv, dmask = chunked_backward(dout, q, k, v, out, m, log2_l, opts, cq, mask_grad)
+    with _no_autocast(q):  # as the forward's
+        dq, dk, dv, dmask = chunked_backward(dout, q, k, v, out, m, log2_l, opts, cq, mask_grad)
     return dq, dk, dv, q.new_empty(0) if dmask is None else dmask
 
 
@@ -2182,7 +2173,8 @@ def _check_cu_seqlens(cu_seqlens, L):
 
 
 def _no_autocast(q):
-    """Autocast switched off where it is on: inside, the inputs' dtypes decide."""
+    """Autocast switched off where it is on: inside, the inputs' dtypes decide (the backward, run outside
+    autocast, agrees with the forward)."""
     device_type = "cpu" if q.is_cpu else q.device.type
     on = torch.is_autocast_enabled(device_type)
     return torch.autocast(device_type, enabled=False) if on else contextlib.nullcontext()

@@ -116,7 +116,8 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal, scale, group, layout, cq, ck):
-        out, m, log2_l = _ring_forward(q, k, v, is_causal, scale, group, layout, cq, ck)
+        with mt._no_autocast(q):  # in the inputs' dtype: autocast would round the products to 16 bits
+            out, m, log2_l = _ring_forward(q, k, v, is_causal, scale, group, layout, cq, ck)
         ctx.save_for_backward(q, k, v, out, m, log2_l)
         ctx.options = is_causal, scale, group, layout, cq, ck
         return out.to(q.dtype)
@@ -124,11 +125,11 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        dq, dk, dv = _ring_backward(dout, *ctx.saved_tensors, *ctx.options)
+        with mt._no_autocast(dout):
+            dq, dk, dv = _ring_backward(dout, *ctx.saved_tensors, *ctx.options)
         return dq, dk, dv, *[None] * 6
 
 
-@mt._autocast_off
 def _ring_forward(q, k, v, is_causal, scale, group, layout, cq, ck):
     """out (float32), row max m and log2(l), after P steps of the chunked forward's block update,
     continued from one visiting K/V block to the next, in blocks of cq queries and ck keys."""
@@ -154,7 +155,6 @@ def _ring_forward(q, k, v, is_causal, scale, group, layout, cq, ck):
     return o.div_(l), m, torch.log2(l)
 
 
-@mt._autocast_off
 def _ring_backward(dout, q, k, v, out, m, log2_l, is_causal, scale, group, layout, cq, ck):
     """dq, dk, dv: the chunked backward's block update at every step, against the final row statistics.
     The visiting block's dK and dV arrive from the previous rank while this step computes its own share;

@@ -682,8 +682,8 @@ def test_float32_bias_keeps_its_precision(impl, dtype, autocast):
 @pytest.mark.parametrize("impl", mt.IMPLS)
 def test_autocast_computes_float32_inputs_as_sdpa_does(impl):
     # under autocast SDPA casts float32 q, k, v to autocast's dtype and returns that dtype: every path does the
-    # same. The output and the gradients (the backward outside autocast, as in a training step) are exactly
-    # those of the path called on the cast inputs without autocast: autocast reaches no product inside it
+    # same. The output and the gradients (the backward outside autocast, as in a training step, and inside) are
+    # exactly those of the path called on the cast inputs without autocast: autocast reaches no product inside it
     q, k, v = (t.float() for t in make_qkv(1, 2, 256, 256, 32, seed=4))
     q, k = q * 2, k * 2
     dout = torch.randn(1, 2, 256, 32, generator=torch.Generator().manual_seed(9)).bfloat16()
@@ -693,10 +693,12 @@ def test_autocast_computes_float32_inputs_as_sdpa_does(impl):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = run_path(impl, *leaves, is_causal=True)
         sdpa_dtype = F.scaled_dot_product_attention(q, k, v, is_causal=True).dtype
+        inside = [out.detach()] + list(torch.autograd.grad(out, leaves, dout, retain_graph=True))
     got = [out.detach()] + list(torch.autograd.grad(out, leaves, dout))
     assert out.dtype == sdpa_dtype == torch.bfloat16
-    for g, w in zip(got, want, strict=True):
+    for g, g_inside, w in zip(got, inside, want, strict=True):
         torch.testing.assert_close(g, w, atol=0, rtol=0)
+        torch.testing.assert_close(g_inside, w, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("impl", mt.IMPLS)
