@@ -54,7 +54,6 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
-from torch.nn.attention.bias import CausalBias, CausalVariant
 from torch.nn.attention.flex_attention import AuxOutput, BlockMask
 
 # core begins
@@ -2017,12 +2016,12 @@ def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size
                              f"and {Lk}")
         _check_cu_seqlens(cu_seqlens, Lq)
     shift = 0
-    if isinstance(attn_mask, CausalBias):  # SDPA's causality as a mask
+    if _is_causal_bias(attn_mask):  # SDPA's causality as a mask
         if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (Lq, Lk) or is_causal:
             raise ValueError(f"a CausalBias of (Lq, Lk) = {(attn_mask.seq_len_q, attn_mask.seq_len_kv)} "
                              f"for q and k of {(Lq, Lk)}, with is_causal={is_causal}: it must match them, "
                              "and it is the causality (SDPA refuses is_causal=True beside it)")
-        attn_mask, is_causal, shift = None, True, (Lk - Lq) * (attn_mask.variant == CausalVariant.LOWER_RIGHT)
+        attn_mask, is_causal, shift = None, True, (Lk - Lq) * (attn_mask.variant.name == "LOWER_RIGHT")
     elif is_causal and Lq != Lk and not torch.compiler.is_compiling():  # Python shows it once a call site
         warnings.warn("is_causal=True with Lq != Lk aligns the diagonal top-left, as SDPA does: query i sees "
                       "keys 0 .. i. Queries that follow Lk - Lq cached keys (a KV cache) see keys 0 .. "
@@ -2038,6 +2037,12 @@ def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size
     return q, k, v, attn_mask, is_causal, shift, scale
 
 
+def _is_causal_bias(attn_mask):
+    """Whether attn_mask is SDPA's CausalBias (its module loads torch's compiler, 1.5 s: read once loaded)."""
+    bias = getattr(torch.nn.attention, "bias", None)
+    return bias is not None and isinstance(attn_mask, bias.CausalBias)
+
+
 def _check_window(window_size):
     if window_size is not None and (not isinstance(window_size, int) or window_size < 0):
         raise ValueError(f"window_size must be a non-negative int or None, got {window_size!r}")
@@ -2050,7 +2055,7 @@ def _check_mha_call(mha, x, attn_mask, is_causal, need_weights, positions, cu_se
     if cu_seqlens is not None and callable(mha.impl):  # the paths check it; a function as impl may not
         _check_cu_seqlens(cu_seqlens, x.size(1))
     if cache is not None:
-        if (not is_causal) or (cu_seqlens is not None) or isinstance(attn_mask, CausalBias) or (
+        if (not is_causal) or (cu_seqlens is not None) or _is_causal_bias(attn_mask) or (
                 len(x) != len(cache.k)):
             raise ValueError(f"a KV cache serves a causal decoder (is_causal=True), its rows x's, no "
                              f"cu_seqlens or CausalBias; got is_causal={is_causal}, rows "

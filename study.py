@@ -40,7 +40,6 @@ import torch
 import approximate_attention as approx
 import cost_model
 import minitransformer as mt
-import ring_attention
 import train
 from cost_model import (BAND, FLEX_PATHS, MIB, SDPA_SERIES, computed_flops, computed_pairs, input_bytes,
                         packed_offsets, predicted_mib)
@@ -219,6 +218,7 @@ def _attention_call(spec, q, k, v):
     if path == "chunked":
         return (lambda: mt.chunked_attention(q, k, v, chunk_size=spec["chunk_size"], **kw)), "chunked"
     if path == "ring":
+        import ring_attention  # here: its import loads torch's compiler, 1.5 s, which no other series needs
         return (lambda: ring_attention.ring_attention(q, k, v, is_causal=spec["causal"])), "ring"
     if path in FLEX_PATHS:
         return _flex_call(spec, q, k, v), path
