@@ -149,7 +149,8 @@ def low_rank_attention(q, k, v, E, F_):
         raise ValueError(f"E and F must both be (r, Lk) = (r, {Lk}): they project the {Lk} keys, got "
                          f"{tuple(E.shape)} and {tuple(F_.shape)}")
     k, v = E @ k, F_ @ v  # (B, H, r, D), (B, H, r, Dv)
-    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)), dim=-1) @ v
+    scale = 1 / math.sqrt(q.size(-1)) if q.size(-1) else 1.0  # D = 0: every score 0, as in SDPA
+    return torch.softmax(q @ k.transpose(-2, -1) * scale, dim=-1) @ v
 
 
 def memory_compressed_attention(q, k, v, weight_k, weight_v, keys=None, is_causal=False):

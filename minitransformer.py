@@ -175,9 +175,9 @@ def _repeat_kv(q, k, v, attn_mask):
                         f"{' under autocast' * autocast}; 16 bits: chunked_attention (FlashAttention-2's)")
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         raise TypeError(f"attn_mask must be bool, True where a query may attend, got {attn_mask.dtype}")
-    if not (q.dim() == k.dim() == v.dim()) or (q.dim() == 4 and q.size(1) % k.size(1)):
-        raise ValueError(f"k and v must have q's number of dimensions, and heads that divide q's: got q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not (q.dim() == k.dim() == v.dim()) or (q.dim() == 4 and q.size(1) % k.size(1)) or q.size(-1) == 0:
+        raise ValueError(f"k and v must have q's number of dimensions and heads that divide q's, and D >= 1 "
+                         f"(1 / sqrt(D)): got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     G = q.size(1) // k.size(1) if q.dim() == 4 else 1
     return (k, v) if G == 1 else (k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1))
 

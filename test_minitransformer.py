@@ -267,6 +267,9 @@ def test_core_refuses_what_it_does_not_do():
             core(*(t.to(dtype) for t in (q, k, v)))
         with torch.autocast("cpu", dtype), pytest.raises(TypeError, match=r"got torch.float64 under autocast; 16"):
             core(q, k, v)  # autocast would run its products in 16 bits
+    for core in CORE.values():  # D = 0: named, never the NaN of 0 / sqrt(0) (the paths give SDPA's, V's mean)
+        with pytest.raises(ValueError, match=r"and D >= 1 \(1 / sqrt\(D\)\): got q \(1, 2, 8, 0\), k \(1, 2, 8, 0\)"):
+            core(q[..., :0], k[..., :0], v)
     with pytest.raises(ValueError, match="block_size must be a positive int, got 0"):
         mt.blockwise_attention(q, k, v, block_size=0)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]  # its backward is not differentiable: an error, not
@@ -300,7 +303,8 @@ def test_core_refuses_a_kv_of_another_rank(core):
         CORE[core](q, k[:, 0], v[:, 0])
     with pytest.raises(ValueError, match=r"k and v must have q's number of dimensions.*v \(2, 5, 8\)"):
         CORE[core](q, k, v[:, 0])
-    with pytest.raises(ValueError, match=r"heads that divide q's: got q \(2, 4, 5, 8\), k \(2, 3, 5, 8\)"):
+    with pytest.raises(ValueError, match=r"heads that divide q's, and D >= 1 \(1 / sqrt\(D\)\): got q \(2, 4, 5, 8\), "
+                                         r"k \(2, 3, 5, 8\)"):
         CORE[core](q, k[:, :3], v[:, :3])
     with pytest.raises(RuntimeError, match="must match"):  # (B, L, D): a batch of 4 against one of 2, no heads
         CORE[core](q[:, 0].repeat(2, 1, 1), k[:, 0], v[:, 0])
@@ -3299,6 +3303,9 @@ def test_low_rank_attention_is_its_formula():
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
     for x, y in zip(torch.autograd.grad(got, b, dout), torch.autograd.grad(want, a, dout)):
         torch.testing.assert_close(x, y, atol=1e-10, rtol=1e-10)
+    # D = 0: SDPA's result over the projected keys, the mean of F V (not the NaN of 0 / sqrt(0))
+    want = F.scaled_dot_product_attention(q[..., :0], E @ k[..., :0], F_ @ v)
+    torch.testing.assert_close(approx.low_rank_attention(q[..., :0], k[..., :0], v, E, F_), want, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("Lk,ratio,padded,causal", [(32, 4, False, False), (29, 4, False, False), (31, 3, True, False),
