@@ -1258,13 +1258,14 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
 
     score_mod(score, b, h, q_idx, kv_idx) -> a new score, and mask_mod(b, h, q_idx, kv_idx) -> True where the
     key is seen, are written for one score, as torch's: score float32 (float64 for float64), h the query
-    head, the indices int32. Each is traced once a call into a graph whose every tensor read is an input: the
-    backward computes with the forward's function and tensors (one changed in place since: autograd's error),
-    and the tensors score_mod reads get their gradients; a mod torch.fx cannot trace (a Python if on a
-    tensor) runs only without gradients. block_mask (create_block_mask) holds mask_mod and the key blocks
-    each block of queries visits; mask_mod runs in its partial ones only, as in torch's compiled kernels.
-    return_lse, or return_aux=AuxRequest(lse=True): also lse (B, H, Lq), -inf where a query sees no key (its
-    output 0). kernel_options is ignored."""
+    head, the indices int32; a 16-bit tensor they read is read in float32, as torch's compiled kernels do.
+    Each is traced once a call into a graph whose every tensor read is an input: the backward computes with
+    the forward's function and tensors (one changed in place since: autograd's error, but a 16-bit one, read
+    through its float32 copy), and the tensors score_mod reads get their gradients; a mod torch.fx cannot
+    trace (a Python if on a tensor) runs only without gradients. block_mask (create_block_mask) holds mask_mod
+    and the key blocks each block of queries visits; mask_mod runs in its partial ones only, as in torch's
+    compiled kernels. return_lse, or return_aux=AuxRequest(lse=True): also lse (B, H, Lq), -inf where a query
+    sees no key (its output 0). kernel_options is ignored."""
     if block_mask is not None and not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be torch's BlockMask, not a {type(block_mask).__name__}")
     if any(t.is_nested for t in (query, key, value)):
@@ -1517,8 +1518,10 @@ class _Mod:
                 gm, reads = _traced(mod, self.score)
             except Exception as e:
                 untraced = e
-            else:  # an inference tensor has no version to check: its values now
-                self.fn, self.inputs = gm.forward, tuple(t.clone() if t.is_inference() else t for t in reads)
+            else:  # a 16-bit read in float32: a learned one's gradient is summed over the blocks in float32
+                self.fn = gm.forward  # an inference tensor, which has no version to check: its values now
+                self.inputs = tuple(t.float() if t.dtype in (torch.half, torch.bfloat16) else
+                                    t.clone() if t.is_inference() else t for t in reads)
                 self.in_place = any(n.op == "call_method" and n.target[-1] == "_" != n.target[-2]
                                     for n in gm.graph.nodes)  # a method such as add_: it edits its score
                 subclass = next((t for t in reads if type(t) not in (torch.Tensor, nn.Parameter)), None)

@@ -2912,6 +2912,34 @@ def test_flex_meets_the_precision_rule():
         assert x.dtype == torch.bfloat16 and err <= 2 * std_err + 1e-5, f"{name}: {err:.3g} > 2 x {std_err:.3g}"
 
 
+@pytest.mark.parametrize("L,seed,twice", [(300, 9, False), (600, 2, True)])
+def test_flex_learned_16_bit_tensors_meet_the_precision_rule(L, seed, twice):
+    # a bfloat16 softcap and relative table that score_mod learns: their gradients against float64 at most twice
+    # the error of attention written in bfloat16 with the same mod (FlashAttention's rule), + 1e-5. Each block's
+    # share, rounded to 16 bits and summed, would be off 6.4x and 3.6x here; read in float32 (as the score is,
+    # and as torch's compiled kernels read them), they are summed in float32. Indexed twice, the mod runs vmapped
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (t * 3 ** 0.5 for t in make_qkv(1, 4, L, L, 64, seed=12))
+    dout = torch.randn(1, 4, L, 64, dtype=torch.float64, generator=g)
+    cap, table = torch.tensor(20.0), torch.randn(4, 2 * L, generator=g) * 0.5
+    rel = torch.arange(L)[:, None] - torch.arange(L)[None, :] + L
+
+    def grads(attend, dtype):  # the gradients of the softcap and the table, leaves in dtype
+        c, t = (x.to(dtype).requires_grad_() for x in (cap, table))
+        return torch.autograd.grad(attend(*(x.to(dtype) for x in (q, k, v)), c, t), (c, t), dout.to(dtype))
+
+    def dense(q, k, v, c, t):
+        return dense_flex(q, k, v, lambda s: c * torch.tanh(s / c) + t[:, rel])
+
+    def flex(q, k, v, c, t):
+        table_of = (lambda h, i, j: t[h][i - j + L]) if twice else (lambda h, i, j: t[h, i - j + L])
+        return mt.flex_attention(q, k, v, lambda s, b, h, i, j: c * torch.tanh(s / c) + table_of(h, i, j))
+    ref, std, ours = grads(dense, torch.float64), grads(dense, torch.bfloat16), grads(flex, torch.bfloat16)
+    for name, x, s_, r in zip(("softcap", "table"), ours, std, ref):
+        err, std_err = (x.double() - r).abs().max().item(), (s_.double() - r).abs().max().item()
+        assert x.dtype == torch.bfloat16 and err <= 2 * std_err + 1e-5, f"{name}: {err:.3g} > 2 x {std_err:.3g}"
+
+
 def test_flex_refuses_by_name():
     q, k, v = make_qkv(2, 4, 20, 20, 8)
     block_mask = mt.create_block_mask(lambda b, h, i, j: i >= j, None, None, 20, 20, BLOCK_SIZE=8)
