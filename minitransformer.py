@@ -1258,14 +1258,15 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
 
     score_mod(score, b, h, q_idx, kv_idx) -> a new score, and mask_mod(b, h, q_idx, kv_idx) -> True where the
     key is seen, are written for one score, as torch's: score float32 (float64 for float64), h the query
-    head, the indices int32; a 16-bit tensor they read is read in float32, as torch's compiled kernels do.
-    Each is traced once a call into a graph whose every tensor read is an input: the backward computes with
-    the forward's function and tensors (one changed in place since: autograd's error, but a 16-bit one, read
-    through its float32 copy), and the tensors score_mod reads get their gradients; a mod torch.fx cannot
-    trace (a Python if on a tensor) runs only without gradients. block_mask (create_block_mask) holds mask_mod
-    and the key blocks each block of queries visits; mask_mod runs in its partial ones only, as in torch's
-    compiled kernels. return_lse, or return_aux=AuxRequest(lse=True): also lse (B, H, Lq), -inf where a query
-    sees no key (its output 0). kernel_options is ignored."""
+    head, the indices int32. Each is traced once a call into a graph whose every tensor read is an input: the
+    backward computes with the forward's function and tensors (one changed in place since: autograd's error),
+    and the tensors score_mod reads get their gradients; one in float16 or bfloat16 that requires grad is
+    read as a float32 copy, so that its gradient sums the blocks in float32 and is rounded once (its
+    arithmetic, comparisons and casts then run in float32; changed in place, it raises nothing: the backward
+    reads the copy). A mod torch.fx cannot trace (a Python if on a tensor) runs only without gradients.
+    block_mask (create_block_mask) holds mask_mod and the key blocks each block of queries visits; mask_mod
+    runs in its partial ones only, as in torch's compiled kernels. return_lse, or return_aux=AuxRequest(lse=
+    True): also lse (B, H, Lq), -inf where a query sees no key (its output 0). kernel_options is ignored."""
     if block_mask is not None and not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be torch's BlockMask, not a {type(block_mask).__name__}")
     if any(t.is_nested for t in (query, key, value)):
@@ -1418,9 +1419,8 @@ def _chunked_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """chunked_backward as an operator: dq, dk, dv, and a float attn_mask's gradient when mask_grad
     (else an empty tensor)."""
-    opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens,
-                         alibi_slopes, shift)
-    opts.dlse = dlse
+    opts = replace(block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck,
+                                 cu_seqlens, alibi_slopes, shift), dlse=dlse)
     with _no_autocast(q):  # as the forward's
         dq, dk, dv, dmask = chunked_backward(dout, q, k, v, out, m, log2_l, opts, cq, mask_grad)
     return dq, dk, dv, q.new_empty(0) if dmask is None else dmask
@@ -1518,10 +1518,11 @@ class _Mod:
                 gm, reads = _traced(mod, self.score)
             except Exception as e:
                 untraced = e
-            else:  # a 16-bit read in float32: a learned one's gradient is summed over the blocks in float32
-                self.fn = gm.forward  # an inference tensor, which has no version to check: its values now
-                self.inputs = tuple(t.float() if t.dtype in (torch.half, torch.bfloat16) else
-                                    t.clone() if t.is_inference() else t for t in reads)
+            else:  # an inference tensor has no version to check: its values now; a float16 or bfloat16 one
+                # that score_mod learns (it requires grad): a float32 copy, its gradient summed in float32
+                self.fn, self.inputs = gm.forward, tuple(
+                    t.float() if self.score and t.requires_grad and t.itemsize == 2 else
+                    t.clone() if t.is_inference() else t for t in reads)
                 self.in_place = any(n.op == "call_method" and n.target[-1] == "_" != n.target[-2]
                                     for n in gm.graph.nodes)  # a method such as add_: it edits its score
                 subclass = next((t for t in reads if type(t) not in (torch.Tensor, nn.Parameter)), None)
@@ -2001,10 +2002,9 @@ def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size
         raise ValueError(f"q, k, v must share (B, H), or with enable_gqa=True k and v have H_kv heads, a "
                          f"divisor of q's H (grouped-query attention); got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}, enable_gqa={enable_gqa}")
-    if D != Dk:
-        raise ValueError(f"q and k must share the head dim, got {tuple(q.shape)} and {tuple(k.shape)}")
-    if Lk != Lv:
-        raise ValueError(f"k and v must share the key length, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if D != Dk or Lk != Lv:
+        raise ValueError(f"q and k must share the head dim, k and v the key length: got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
     dtype, device = q.dtype, q.device
     if not (dtype == k.dtype == v.dtype) or not dtype.is_floating_point:
         raise TypeError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -2041,8 +2041,8 @@ def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size
 
 
 def _is_causal_bias(attn_mask):
-    """Whether attn_mask is SDPA's CausalBias (its module loads torch's compiler, 1.5 s: read once loaded)."""
-    bias = getattr(torch.nn.attention, "bias", None)
+    """Whether attn_mask is SDPA's CausalBias (none can exist before the caller imports its module)."""
+    bias = getattr(torch.nn.attention, "bias", None)  # not imported here: it loads torch's compiler, 1.5 s
     return bias is not None and isinstance(attn_mask, bias.CausalBias)
 
 

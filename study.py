@@ -218,7 +218,7 @@ def _attention_call(spec, q, k, v):
     if path == "chunked":
         return (lambda: mt.chunked_attention(q, k, v, chunk_size=spec["chunk_size"], **kw)), "chunked"
     if path == "ring":
-        import ring_attention  # here: its import loads torch's compiler, 1.5 s, which no other series needs
+        import ring_attention  # here, in the worker: importing it loads torch's compiler (1.5 s) at once
         return (lambda: ring_attention.ring_attention(q, k, v, is_causal=spec["causal"])), "ring"
     if path in FLEX_PATHS:
         return _flex_call(spec, q, k, v), path

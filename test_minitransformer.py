@@ -2504,7 +2504,8 @@ def test_flex_backward_computes_its_forwards_function():
     # backward computes what the forward did. A mod torch.fx cannot trace (Python control flow on its score) that
     # reads a tensor that requires grad, a tensor subclass, TorchScript and a second-order backward are refused by
     # name; a tensor a mod read, changed in place since, is autograd's error; one rebound, a mask_mod replaced on
-    # the BlockMask, an inference tensor changed, a mod with side effects: the backward is still the forward's
+    # the BlockMask, an inference tensor changed, a learned bfloat16 one changed (score_mod reads its float32
+    # copy), a mod with side effects: the backward is still the forward's
     L = 30
     q, k, v = make_qkv(1, 2, L, L, 8, seed=14)
     q.requires_grad_()
@@ -2543,6 +2544,12 @@ def test_flex_backward_computes_its_forwards_function():
     out = mt.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + frozen[qi - ki + L - 1])
     with torch.inference_mode():
         frozen.add_(1)
+    dq(out, dense_flex(q, k, v, lambda s: s + before[i - j + L - 1]))
+    learned16 = torch.randn(2 * L - 1).bfloat16().requires_grad_()
+    before = learned16.detach().double()
+    out = mt.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + learned16[qi - ki + L - 1])
+    with torch.no_grad():
+        learned16.add_(1)
     dq(out, dense_flex(q, k, v, lambda s: s + before[i - j + L - 1]))
     with pytest.raises(ValueError, match="score_mod: a TorchScript function, which cannot be traced"):
         mt.flex_attention(q, k, v, torch.jit.script(LearnedBias(2, L)))
@@ -2915,9 +2922,10 @@ def test_flex_meets_the_precision_rule():
 @pytest.mark.parametrize("L,seed,twice", [(300, 9, False), (600, 2, True)])
 def test_flex_learned_16_bit_tensors_meet_the_precision_rule(L, seed, twice):
     # a bfloat16 softcap and relative table that score_mod learns: their gradients against float64 at most twice
-    # the error of attention written in bfloat16 with the same mod (FlashAttention's rule), + 1e-5. Each block's
-    # share, rounded to 16 bits and summed, would be off 6.4x and 3.6x here; read in float32 (as the score is,
-    # and as torch's compiled kernels read them), they are summed in float32. Indexed twice, the mod runs vmapped
+    # the error of attention written in bfloat16 with the same mod (FlashAttention's rule), + 1e-5. Had each
+    # block's share of the gradient been rounded to bfloat16 before the shares were summed, the softcap's error
+    # would be 6.1x and 3.4x that of bfloat16 attention here; read as float32 copies, the shares are summed in
+    # float32. t[h][..], indexed twice, runs the mod through torch.vmap instead of on broadcast indices
     g = torch.Generator().manual_seed(seed)
     q, k, v = (t * 3 ** 0.5 for t in make_qkv(1, 4, L, L, 64, seed=12))
     dout = torch.randn(1, 4, L, 64, dtype=torch.float64, generator=g)
@@ -2938,6 +2946,24 @@ def test_flex_learned_16_bit_tensors_meet_the_precision_rule(L, seed, twice):
     for name, x, s_, r in zip(("softcap", "table"), ours, std, ref):
         err, std_err = (x.double() - r).abs().max().item(), (s_.double() - r).abs().max().item()
         assert x.dtype == torch.bfloat16 and err <= 2 * std_err + 1e-5, f"{name}: {err:.3g} > 2 x {std_err:.3g}"
+
+
+def test_flex_reads_16_bit_tensors_it_does_not_learn_as_they_are():
+    # only a learned 16-bit tensor is read as a float32 copy: one that requires no grad keeps its dtype, so that a
+    # comparison with a Python number (0.1 is 0.10009765625 in bfloat16) and a cast to its dtype are torch's, in
+    # score_mod and in a BlockMask's mask_mod alike
+    L, H = 64, 2
+    q, k, v = make_qkv(1, H, L, L, 16, dtype=torch.float32, seed=3)
+    t16 = (torch.arange(L) % 10 * 0.1).bfloat16()
+    gate = lambda s, b, h, i, j: torch.where(t16[j] > 0.1, s, -math.inf)  # noqa: E731
+    torch.testing.assert_close(mt.flex_attention(q, k, v, gate), torch_flex.flex_attention(q, k, v, gate),
+                               atol=1e-6, rtol=0)
+    rounded = ((q @ k.transpose(-2, -1) / 4).bfloat16() + t16).float().softmax(-1) @ v  # the sum in bfloat16
+    for cast in (lambda s, b, h, i, j: s.to(t16) + t16[j], lambda s, b, h, i, j: s.type_as(t16) + t16[j]):
+        torch.testing.assert_close(mt.flex_attention(q, k, v, cast), rounded, atol=1e-6, rtol=0)
+    block_mask = mt.create_block_mask(lambda b, h, i, j: t16[j] > 0.1, None, None, L, L, BLOCK_SIZE=16)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=(t16 > 0.1).expand(L, L))
+    torch.testing.assert_close(mt.flex_attention(q, k, v, block_mask=block_mask), want, atol=1e-6, rtol=0)
 
 
 def test_flex_refuses_by_name():
@@ -4925,9 +4951,9 @@ def test_bad_study_options_are_argparse_errors(argv, capsys):
 def test_study_end_to_end_measures_real_memory(tmp_path):
     # a real worker process: the naive forward at n=512 must hold its (H, n, n) float32 scores
     # and softmax output at once; the chunked forward never holds them. At n=4096 those two
-    # are 2 x 256 MiB, well over a 0.4 GiB budget: naive runs out, chunked and flash go on. (Over 0.5 GiB by its
-    # 1 MiB output alone, it once fitted under load: the budget caps the address space above the worker's size,
-    # and memory the worker freed but kept mapped is reused within it.)
+    # are 2 x 256 MiB, well over a 0.4 GiB budget: naive runs out, chunked and flash go on. (With its 1 MiB
+    # output, 513 MiB is only 1 MiB over 0.5 GiB, and it once fitted under load: the budget caps the address
+    # space above the worker's size, and memory the worker freed but kept mapped is reused within it.)
     study.main(["--device", "cpu", "--lengths", "128,512,4096", "--series", "naive,chunked,flash,chunked-packed32", "--heads", "4",
                 "--head-dim", "16", "--mode", "fwd", "--out", str(tmp_path), "--target-seconds", "0.02",
                 "--mem-budget", "0.4"])
