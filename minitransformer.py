@@ -1260,13 +1260,13 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     key is seen, are written for one score, as torch's: score float32 (float64 for float64), h the query
     head, the indices int32. Each is traced once a call into a graph whose every tensor read is an input: the
     backward computes with the forward's function and tensors (one changed in place since: autograd's error),
-    and the tensors score_mod reads get their gradients; one in float16 or bfloat16 that requires grad is
-    read as a float32 copy, so that its gradient sums the blocks in float32 and is rounded once (its
-    arithmetic, comparisons and casts then run in float32; changed in place, it raises nothing: the backward
-    reads the copy). A mod torch.fx cannot trace (a Python if on a tensor) runs only without gradients.
+    and the tensors score_mod reads get their gradients; a float16 or bfloat16 parameter it learns is read as
+    a float32 copy, so that its gradient adds the blocks' shares in float32 and rounds once (arithmetic,
+    comparisons and casts on it then run in float32, unlike torch's, and an in-place change after the forward
+    goes unseen). A mod torch.fx cannot trace (a Python if on a tensor) runs only without gradients.
     block_mask (create_block_mask) holds mask_mod and the key blocks each block of queries visits; mask_mod
-    runs in its partial ones only, as in torch's compiled kernels. return_lse, or return_aux=AuxRequest(lse=
-    True): also lse (B, H, Lq), -inf where a query sees no key (its output 0). kernel_options is ignored."""
+    runs in its partial ones only, as in torch's compiled kernels. kernel_options is ignored. return_lse, or
+    return_aux=AuxRequest(lse=True): also lse (B, H, Lq), -inf where a query sees no key (its output 0)."""
     if block_mask is not None and not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be torch's BlockMask, not a {type(block_mask).__name__}")
     if any(t.is_nested for t in (query, key, value)):
@@ -1518,10 +1518,9 @@ class _Mod:
                 gm, reads = _traced(mod, self.score)
             except Exception as e:
                 untraced = e
-            else:  # an inference tensor has no version to check: its values now; a float16 or bfloat16 one
-                # that score_mod learns (it requires grad): a float32 copy, its gradient summed in float32
-                self.fn, self.inputs = gm.forward, tuple(
-                    t.float() if self.score and t.requires_grad and t.itemsize == 2 else
+            else:  # 16-bit parameters score_mod learns: float32 copies (flex_attention); inference tensors
+                self.fn, self.inputs = gm.forward, tuple(  # (autograd cannot see their changes): clones
+                    t.float() if self.score and t.is_leaf and t.requires_grad and t.dtype in _HALF else
                     t.clone() if t.is_inference() else t for t in reads)
                 self.in_place = any(n.op == "call_method" and n.target[-1] == "_" != n.target[-2]
                                     for n in gm.graph.nodes)  # a method such as add_: it edits its score
@@ -1713,6 +1712,7 @@ def _block_plan(block_mask, Lk):
 
 
 _BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(a, b, out_dtype=...), CUDA
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _per_kv_head(x, k):
@@ -1734,7 +1734,7 @@ def _matmul(a, b, alpha=1.0, out=None, add=False):
     """
     shape = (a.size(0), a.size(1), b.size(2))  # (N, m, n)
     res = None if out is None or add else out[:math.prod(shape)].view(shape)
-    if a.dtype in (torch.float16, torch.bfloat16):
+    if a.dtype in _HALF:
         if a.is_cuda and _BMM_OUT_DTYPE:
             prod = torch.bmm(a, b, out_dtype=torch.float32, out=res)
             prod = prod if alpha == 1.0 else prod.mul_(alpha)
@@ -2041,7 +2041,7 @@ def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size
 
 
 def _is_causal_bias(attn_mask):
-    """Whether attn_mask is SDPA's CausalBias (none can exist before the caller imports its module)."""
+    """Whether attn_mask is SDPA's CausalBias (none exists unless torch.nn.attention.bias was imported)."""
     bias = getattr(torch.nn.attention, "bias", None)  # not imported here: it loads torch's compiler, 1.5 s
     return bias is not None and isinstance(attn_mask, bias.CausalBias)
 

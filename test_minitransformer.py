@@ -2949,9 +2949,11 @@ def test_flex_learned_16_bit_tensors_meet_the_precision_rule(L, seed, twice):
 
 
 def test_flex_reads_16_bit_tensors_it_does_not_learn_as_they_are():
-    # only a learned 16-bit tensor is read as a float32 copy: one that requires no grad keeps its dtype, so that a
-    # comparison with a Python number (0.1 is 0.10009765625 in bfloat16) and a cast to its dtype are torch's, in
-    # score_mod and in a BlockMask's mask_mod alike
+    # only a 16-bit parameter that score_mod learns is read as a float32 copy: a tensor that requires no grad keeps
+    # its dtype, so that a comparison with a Python number (0.1 is 0.10009765625 in bfloat16) and a cast to its
+    # dtype are torch's, in score_mod and in a BlockMask's mask_mod alike; and which is copied does not depend on
+    # the grad mode: a value the mod computes whole from a parameter (slopes * 3) is read as it is, with or
+    # without gradients, so that a forward under torch.no_grad() is the training forward's
     L, H = 64, 2
     q, k, v = make_qkv(1, H, L, L, 16, dtype=torch.float32, seed=3)
     t16 = (torch.arange(L) % 10 * 0.1).bfloat16()
@@ -2964,6 +2966,12 @@ def test_flex_reads_16_bit_tensors_it_does_not_learn_as_they_are():
     block_mask = mt.create_block_mask(lambda b, h, i, j: t16[j] > 0.1, None, None, L, L, BLOCK_SIZE=16)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=(t16 > 0.1).expand(L, L))
     torch.testing.assert_close(mt.flex_attention(q, k, v, block_mask=block_mask), want, atol=1e-6, rtol=0)
+    slopes = (mt.alibi_slopes(H) * 1.7).bfloat16().requires_grad_()
+    for mod in (lambda s, b, h, i, j: s - slopes[h] * (i - j).abs(), lambda s, b, h, i, j: s - (slopes * 3)[h] * i,
+                lambda s, b, h, i, j: torch.where((slopes * 1)[h] > 0.4, s, s * 2)):
+        training = mt.flex_attention(q, k, v, mod)
+        with torch.no_grad():
+            torch.testing.assert_close(mt.flex_attention(q, k, v, mod), training, atol=0, rtol=0)
 
 
 def test_flex_refuses_by_name():
