@@ -1260,13 +1260,12 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     key is seen, are written for one score, as torch's: score float32 (float64 for float64), h the query
     head, the indices int32. Each is traced once a call into a graph whose every tensor read is an input: the
     backward computes with the forward's function and tensors (one changed in place since: autograd's error),
-    and the tensors score_mod reads get their gradients; a float16 or bfloat16 parameter it learns is read as
-    a float32 copy, so that its gradient adds the blocks' shares in float32 and rounds once (arithmetic,
-    comparisons and casts on it then run in float32, unlike torch's, and an in-place change after the forward
-    goes unseen). A mod torch.fx cannot trace (a Python if on a tensor) runs only without gradients.
-    block_mask (create_block_mask) holds mask_mod and the key blocks each block of queries visits; mask_mod
-    runs in its partial ones only, as in torch's compiled kernels. kernel_options is ignored. return_lse, or
-    return_aux=AuxRequest(lse=True): also lse (B, H, Lq), -inf where a query sees no key (its output 0)."""
+    and the tensors score_mod reads get their gradients (one in float16 or bfloat16 is refused then, its sum
+    over the blocks too coarse: read it as t.float() in the mod). A mod torch.fx cannot trace (a Python if on
+    a tensor) runs only without gradients. block_mask (create_block_mask) holds mask_mod and the key blocks
+    each block of queries visits; mask_mod runs in its partial ones only, as in torch's compiled kernels.
+    kernel_options is ignored. return_lse, or return_aux=AuxRequest(lse=True): also lse (B, H, Lq), -inf where
+    a query sees no key (its output 0)."""
     if block_mask is not None and not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be torch's BlockMask, not a {type(block_mask).__name__}")
     if any(t.is_nested for t in (query, key, value)):
@@ -1518,16 +1517,19 @@ class _Mod:
                 gm, reads = _traced(mod, self.score)
             except Exception as e:
                 untraced = e
-            else:  # 16-bit parameters score_mod learns: float32 copies (flex_attention); inference tensors
-                self.fn, self.inputs = gm.forward, tuple(  # (autograd cannot see their changes): clones
-                    t.float() if self.score and t.is_leaf and t.requires_grad and t.dtype in _HALF else
-                    t.clone() if t.is_inference() else t for t in reads)
+            else:  # an inference tensor has no version to check: its values now
+                self.fn, self.inputs = gm.forward, tuple(t.clone() if t.is_inference() else t for t in reads)
                 self.in_place = any(n.op == "call_method" and n.target[-1] == "_" != n.target[-2]
                                     for n in gm.graph.nodes)  # a method such as add_: it edits its score
                 subclass = next((t for t in reads if type(t) not in (torch.Tensor, nn.Parameter)), None)
                 if self.score and subclass is not None:  # its __torch_function__ may read what no graph shows
                     raise ValueError(f"score_mod reads a {type(subclass).__name__}, a tensor subclass: pass "
                                      "a plain tensor")
+                half = [t for t in reads if t.requires_grad and t.dtype in (torch.float16, torch.bfloat16)]
+                if self.score and half and torch.is_grad_enabled():
+                    raise ValueError(f"score_mod learns a {half[0].dtype} tensor: summed over the blocks in "
+                                     "16 bits, its gradient would break FlashAttention's precision rule; "
+                                     "read it in float32 (t.float() in the mod), or detach it")
         self.vmapped = self.fn
         for n in (3, 2, 1, 0):  # kv_idx innermost, b outermost; the score mapped along with each
             dims = tuple(0 if d == n else None for d in range(4)) + (None,) * len(self.inputs)
@@ -1712,7 +1714,6 @@ def _block_plan(block_mask, Lk):
 
 
 _BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(a, b, out_dtype=...), CUDA
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def _per_kv_head(x, k):
@@ -1734,7 +1735,7 @@ def _matmul(a, b, alpha=1.0, out=None, add=False):
     """
     shape = (a.size(0), a.size(1), b.size(2))  # (N, m, n)
     res = None if out is None or add else out[:math.prod(shape)].view(shape)
-    if a.dtype in _HALF:
+    if a.dtype in (torch.float16, torch.bfloat16):
         if a.is_cuda and _BMM_OUT_DTYPE:
             prod = torch.bmm(a, b, out_dtype=torch.float32, out=res)
             prod = prod if alpha == 1.0 else prod.mul_(alpha)
@@ -2181,8 +2182,7 @@ def _check_cu_seqlens(cu_seqlens, L):
 
 
 def _no_autocast(q):
-    """Autocast switched off where it is on: inside, the inputs' dtypes decide (the backward, run outside
-    autocast, agrees with the forward)."""
+    """Autocast switched off where it is on: inside, the inputs' dtypes decide."""
     device_type = "cpu" if q.is_cpu else q.device.type
     on = torch.is_autocast_enabled(device_type)
     return torch.autocast(device_type, enabled=False) if on else contextlib.nullcontext()
