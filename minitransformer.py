@@ -1260,12 +1260,12 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     key is seen, are written for one score, as torch's: score float32 (float64 for float64), h the query
     head, the indices int32. Each is traced once a call into a graph whose every tensor read is an input: the
     backward computes with the forward's function and tensors (one changed in place since: autograd's error),
-    and the tensors score_mod reads get their gradients (one in float16 or bfloat16 is refused then, its sum
-    over the blocks too coarse: read it as t.float() in the mod). A mod torch.fx cannot trace (a Python if on
-    a tensor) runs only without gradients. block_mask (create_block_mask) holds mask_mod and the key blocks
-    each block of queries visits; mask_mod runs in its partial ones only, as in torch's compiled kernels.
-    kernel_options is ignored. return_lse, or return_aux=AuxRequest(lse=True): also lse (B, H, Lq), -inf where
-    a query sees no key (its output 0)."""
+    and the tensors score_mod reads get their gradients, but a float16 or bfloat16 one, refused with gradients
+    on (summed over the blocks in 16 bits, its gradient would be too coarse): cast it first, t.float()[h], or
+    detach it. A mod torch.fx cannot trace (a Python if on a tensor) runs only without gradients. block_mask
+    (create_block_mask) holds mask_mod and the key blocks each block of queries visits; mask_mod runs in its
+    partial ones only, as in torch's compiled kernels. kernel_options is ignored. return_lse, or
+    return_aux=AuxRequest(lse=True): also lse (B, H, Lq), -inf where a query sees no key (its output 0)."""
     if block_mask is not None and not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be torch's BlockMask, not a {type(block_mask).__name__}")
     if any(t.is_nested for t in (query, key, value)):
@@ -1527,9 +1527,9 @@ class _Mod:
                                      "a plain tensor")
                 half = [t for t in reads if t.requires_grad and t.dtype in (torch.float16, torch.bfloat16)]
                 if self.score and half and torch.is_grad_enabled():
-                    raise ValueError(f"score_mod learns a {half[0].dtype} tensor: summed over the blocks in "
-                                     "16 bits, its gradient would break FlashAttention's precision rule; "
-                                     "read it in float32 (t.float() in the mod), or detach it")
+                    raise ValueError(f"score_mod learns a {half[0].dtype} tensor {tuple(half[0].shape)}: "
+                                     "summed over the blocks in 16 bits, its gradient would break Flash"
+                                     "Attention's precision rule (cast it first, t.float()[h], or detach it)")
         self.vmapped = self.fn
         for n in (3, 2, 1, 0):  # kv_idx innermost, b outermost; the score mapped along with each
             dims = tuple(0 if d == n else None for d in range(4)) + (None,) * len(self.inputs)

@@ -2914,12 +2914,12 @@ def test_flex_meets_the_precision_rule():
 
 @pytest.mark.parametrize("L,seed,twice", [(300, 9, False), (600, 2, True)])
 def test_flex_learned_16_bit_tensors_meet_the_precision_rule(L, seed, twice):
-    # a bfloat16 softcap and relative table that score_mod learns, read in float32 as the refusal asks (t.float() in
-    # the mod): their gradients against float64 at most twice the error of attention written in bfloat16 with the
-    # same mod (FlashAttention's rule), + 1e-5. Read in bfloat16, each block's share of their gradient would be
-    # rounded to bfloat16 before the shares are summed, and the softcap's error would be 6.1x and 3.4x that of
-    # bfloat16 attention here: refused with gradients on, run as written without. t[h][..], indexed twice, runs
-    # the mod through torch.vmap instead of on broadcast indices
+    # a bfloat16 softcap and relative table that score_mod learns, cast to float32 first as the refusal asks: their
+    # gradients against float64 at most twice the error of attention written in bfloat16 with the same mod
+    # (FlashAttention's rule), + 1e-5. Read in bfloat16, each block's share of their gradient would be rounded to
+    # bfloat16 before the shares are summed, and the softcap's error would be 6.1x and 3.4x that of bfloat16
+    # attention here: refused with gradients on, run as written without. t[h][..], indexed twice, runs the mod
+    # through torch.vmap instead of on broadcast indices
     g = torch.Generator().manual_seed(seed)
     q, k, v = (t * 3 ** 0.5 for t in make_qkv(1, 4, L, L, 64, seed=12))
     dout = torch.randn(1, 4, L, 64, dtype=torch.float64, generator=g)
@@ -2942,7 +2942,7 @@ def test_flex_learned_16_bit_tensors_meet_the_precision_rule(L, seed, twice):
         assert x.dtype == torch.bfloat16 and err <= 2 * std_err + 1e-5, f"{name}: {err:.3g} > 2 x {std_err:.3g}"
     c, t = cap.bfloat16().requires_grad_(), table.bfloat16().requires_grad_()
     q16, k16, v16 = (x.bfloat16() for x in (q, k, v))
-    with pytest.raises(ValueError, match=r"score_mod learns a torch.bfloat16 tensor: summed over the blocks in 16"):
+    with pytest.raises(ValueError, match=r"score_mod learns a torch.bfloat16 tensor \(\): summed over the blocks in 16"):
         flex(q16, k16, v16, c, t, read=lambda x: x)
     with torch.no_grad():
         torch.testing.assert_close(flex(q16, k16, v16, c, t, read=lambda x: x), flex(q16, k16, v16, c, t))
