@@ -4951,8 +4951,8 @@ def test_study_end_to_end_measures_real_memory(tmp_path):
     # a real worker process: the naive forward at n=512 must hold its (H, n, n) float32 scores
     # and softmax output at once; the chunked forward never holds them. At n=4096 those two
     # are 2 x 256 MiB, well over a 0.4 GiB budget: naive runs out, chunked and flash go on. (With its 1 MiB
-    # output, 513 MiB is only 1 MiB over 0.5 GiB, and it once fitted under load: the budget caps the address
-    # space above the worker's size, and memory the worker freed but kept mapped is reused within it.)
+    # output, 513 MiB is only 1 MiB over 0.5 GiB, too close: the budget caps the address space above the
+    # worker's size, and memory the worker freed but kept mapped is reused within it.)
     study.main(["--device", "cpu", "--lengths", "128,512,4096", "--series", "naive,chunked,flash,chunked-packed32", "--heads", "4",
                 "--head-dim", "16", "--mode", "fwd", "--out", str(tmp_path), "--target-seconds", "0.02",
                 "--mem-budget", "0.4"])
