@@ -811,9 +811,10 @@ def sliding_window(w):
     return Rule(mask=lambda i, j: (j >= i - w) & (j <= i + w), keys=lambda i0, i1: (i0 - w, i1 + w))
 
 
-def same_document(cu_seqlens, doc_ids):
-    """Packed documents: query i sees the keys of its own document; doc_ids (L,) as documents() gives them.
+def same_document(cu_seqlens, L, device=None):
+    """Packed documents: query i sees the keys of its own document, in a row of L (documents()'s arguments).
     The keys' range reads cu_seqlens on the host (a CPU tensor: no sync), but under torch.compile."""
+    doc_ids = documents(cu_seqlens, L, device)[0]  # (L,)
     if torch.compiler.is_compiling():
         return Rule(mask=lambda i, j: doc_ids[i] == doc_ids[j])
     offsets = cu_seqlens.tolist()
@@ -834,12 +835,9 @@ def alibi(slopes):
 def named_rules(is_causal=False, window_size=None, cu_seqlens=None, alibi_slopes=None, L=None, device=None):
     """The rules of the named arguments of every path (the appendix's header); L, device: the packed row's."""
     rules = [causal()] if is_causal else []
-    if window_size is not None:
-        rules.append(sliding_window(window_size))
-    if cu_seqlens is not None:
-        rules.append(same_document(cu_seqlens, documents(cu_seqlens, L, device)[0]))
-    if alibi_slopes is not None:
-        rules.append(alibi(alibi_slopes))
+    rules += [sliding_window(window_size)] if window_size is not None else []
+    rules += [same_document(cu_seqlens, L, device)] if cu_seqlens is not None else []
+    rules += [alibi(alibi_slopes)] if alibi_slopes is not None else []
     return rules
 
 
@@ -1225,17 +1223,18 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     q, k, v, attn_mask, is_causal, shift, scale = _attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
     cq, ck = _chunks(default_chunk_size(q.device, q.size(-2), q.dtype) if chunk_size is None else chunk_size)
-    seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
-    alibi_slopes = _checked_alibi(alibi_slopes, q)
+    alibi_slopes, mods = _checked_alibi(alibi_slopes, q), {}
     if score_mod is not None or block_mask is not None:  # Python functions: no custom operator takes them
         cq, ck = (cq, ck) if block_mask is None else _check_block_mask(block_mask, q, k)
-        shape, mods = (*q.shape[:-1], k.size(-2)), {}
+        shape = (*q.shape[:-1], k.size(-2))
         grad = any(t is not None and t.requires_grad for t in (q, k, v, attn_mask))  # the backward's mods
         if score_mod is not None:
             mods.update(score_mod=_Mod(score_mod, "score_mod", shape, q.device, q.dtype, grad))
         if block_mask is not None:
             mods.update(mask_mod=_Mod(block_mask.mask_mod, "mask_mod", shape, q.device, q.dtype, grad),
                         plan=_block_plan(block_mask, k.size(-2)))
+    seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
+    if mods:  # (the seed drawn once all is checked: a refused call leaves the generator as it was)
         nats = score_mod is not None and mods["score_mod"].bias is None  # what a score_mod (no bias) reads
         opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens,
                              alibi_slopes, shift, base=1.0 if nats else LOG2E, **mods)
@@ -1776,10 +1775,9 @@ def _mix(x):
 def _dropout_hashes(seed, B, H, Lq, Lk):
     """Hashes of the rows (b, h, i) with the seed, (B, H, Lq, 1), and of the columns j, (Lk,), int32.
     seed: an int32 tensor of shape () on the device. Row ids (b * H + h) * Lq + i wrap above 2^31."""
-    dev = seed.device
-    rows = (torch.arange(B * H, dtype=torch.int32, device=dev).view(B, H, 1, 1) * Lq
-            + torch.arange(Lq, dtype=torch.int32, device=dev)[:, None])  # (B, H, Lq, 1)
-    cols = torch.arange(Lk, dtype=torch.int32, device=dev)  # (Lk,)
+    rows = (torch.arange(B * H, dtype=torch.int32, device=seed.device).view(B, H, 1, 1) * Lq
+            + torch.arange(Lq, dtype=torch.int32, device=seed.device)[:, None])  # (B, H, Lq, 1)
+    cols = torch.arange(Lk, dtype=torch.int32, device=seed.device)  # (Lk,)
     return _mix(_mix(rows.bitwise_and_(0x7FFFFFFF)) ^ seed), _mix(cols)
 
 
@@ -2037,6 +2035,8 @@ def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size
     if torch.is_tensor(scale) and scale.requires_grad:  # float() would drop its gradient silently
         raise TypeError("scale must be a number, not a tensor that requires grad (SDPA refuses it too)")
     scale = (1.0 / math.sqrt(D) if D else 1.0) if scale is None else float(scale)  # SDPA's; D = 0: scores 0
+    if not math.isfinite(scale):  # SDPA's answer would be NaN
+        raise ValueError(f"scale must be a finite number, got {scale}")
     attn_mask = None if attn_mask is None else _check_mask(attn_mask, q, (B, H, Lq, Lk))
     return q, k, v, attn_mask, is_causal, shift, scale
 

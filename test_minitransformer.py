@@ -3272,6 +3272,23 @@ def test_chunk_size_is_refused_by_name_and_no_heads_with_enable_gqa_is_empty():
         assert mt.attention(empty, empty, empty, impl=impl, enable_gqa=True).shape == (2, 0, 8, 4), impl
 
 
+@pytest.mark.filterwarnings("ignore:no fused SDPA kernel")  # flash's dropout on a CPU
+def test_a_refused_call_leaves_the_generator_and_a_scale_that_is_not_finite_is_refused():
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    t16 = torch.randn(2, dtype=torch.bfloat16, requires_grad=True)  # learned in 16 bits: refused with grad
+    bad = [dict(alibi_slopes=torch.ones(3)), dict(scale=float("nan")),
+           dict(score_mod=lambda s, b, h, q_idx, kv_idx: s + t16[h])]
+    for impl in mt.IMPLS:
+        for kw in bad:  # dropout draws from the generator: only once every argument is accepted
+            state = torch.get_rng_state()
+            with pytest.raises(ValueError):
+                mt.attention(q, q, q, dropout_p=0.5, impl=impl, **kw)
+            assert torch.equal(state, torch.get_rng_state()), (impl, kw)
+        for scale in (float("nan"), math.inf, -math.inf):  # SDPA gives NaN
+            with pytest.raises(ValueError, match="scale must be a finite number"):
+                mt.attention(q, q, q, impl=impl, scale=scale)
+
+
 def test_trained_inputs_of_a_grouped_query_model_are_its_q_k_v(tmp_path):
     # a checkpoint with n_kv_heads < n_heads: q of H heads, k and v of H_kv, as the layer computes them
     cfg = mt.EncoderConfig(vocab_size=16, max_len=16, d_model=64, n_heads=4, n_kv_heads=1, n_layers=1, d_ff=64)
