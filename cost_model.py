@@ -49,13 +49,14 @@ FLEX_PATHS = ("flex", "torch-flex", "torch-flex-compiled")
 
 def attention_pairs(n, causal=False, window=None):
     """The (query, key) pairs of one (batch, head): n^2, halved by causality (as FlashAttention counts
-    it); with a window, only the pairs inside it."""
+    it); with a window w, only the pairs inside it: query i sees itself, min(i, w) keys before it and (not
+    causal) min(n - 1 - i, w) after, which over the queries sum to m (m + 1) / 2 + (n - 1 - m) w each side,
+    m = min(n - 1, w): in closed form, so that a prediction at any n computes no (n,) tensor."""
     if window is None:
         return n * n / (2 if causal else 1)
-    i = torch.arange(n, dtype=torch.float64)
-    before = torch.clamp(i, max=window)  # keys j in [i - w, i)
-    after = torch.clamp(n - 1 - i, max=window)  # keys j in (i, i + w]
-    return float((1 + before + (0 if causal else after)).sum())
+    m = min(n - 1, window)
+    side = m * (m + 1) // 2 + (n - 1 - m) * window  # the keys before each query, summed (after: as many)
+    return float(n + side * (1 if causal else 2))
 
 
 def attention_flops(B, H, n, D, causal=False, window=None, mode="fwd"):
@@ -83,12 +84,6 @@ def chunk_sizes(point):
     return mt._chunks(point.get("chunk_size") or mt.default_chunk_size(point["device"].split(":")[0]))
 
 
-def _meet(rows, cols, a, b, causal):
-    """Whether a query of `rows` sees a key of `cols` in the document [a, b) (causal: a key at or before it)."""
-    q0, q1, k0, k1 = max(rows.start, a), min(rows.stop, b), max(cols.start, a), min(cols.stop, b)
-    return q0 < q1 and k0 < k1 and (not causal or k0 < q1)
-
-
 def computed_pairs(point):
     """The pairs one (batch, head) of a series computes: chunked skips what causality and a window hide (counted
     as the visible pairs, FlashAttention's convention, though it computes the whole key blocks it visits), and
@@ -101,14 +96,15 @@ def computed_pairs(point):
         return approx.SCORES[p["path"]](n, p["setting"], p["causal"])
     if p.get("docs") and p["path"] in ("chunked", "flex", "torch-flex-compiled"):
         cq, ck = (128, 128) if p["path"] == "torch-flex-compiled" else chunk_sizes(p)
-        docs = packed_offsets(n, p["docs"])
-        if p["path"] == "chunked":  # the key blocks it visits, cut to the documents
-            visibility = mt.Visibility(mt.named_rules(p["causal"], p["window"], torch.tensor(docs), L=n))
-            blocks = ((rows, cols) for rows in mt._blocks(n, cq) for cols in visibility.key_blocks(rows, n, ck))
-        else:  # the BlockMask's grid: whole blocks, where some query sees some key
-            blocks = ((rows, cols) for rows in mt._blocks(n, cq) for cols in mt._blocks(n, ck)
-                      if any(_meet(rows, cols, a, b, p["causal"]) for a, b in zip(docs, docs[1:])))
-        return sum((rows.stop - rows.start) * (cols.stop - cols.start) for rows, cols in blocks)
+        grid = p["path"] != "chunked"  # the BlockMask's grid: whole blocks, where some query sees some key
+        docs = torch.tensor(packed_offsets(n, p["docs"]))
+        visibility = mt.Visibility(mt.named_rules(p["causal"], None if grid else p["window"], docs, L=n))
+        pairs = 0
+        for rows in mt._blocks(n, cq):  # keys: [lo, hi), those some query of rows sees (one block of n keys)
+            for keys in visibility.key_blocks(rows, n, n):  # chunked's blocks cover them, the grid's meet them
+                lo, hi = (keys.start // ck * ck, min(n, -(-keys.stop // ck) * ck)) if grid else (keys.start, keys.stop)
+                pairs += (rows.stop - rows.start) * (hi - lo)
+        return pairs
     dense = p["path"] in ("naive", "torch-flex") or (p["path"] not in ("chunked", "ring") and (
         p["window"] or p.get("docs") or str(p.get("alibi")) == "True"))
     return attention_pairs(n, p["causal"] and not dense, None if dense else p["window"])
