@@ -3955,6 +3955,16 @@ def test_the_core_compiles_to_one_graph_and_reads_nothing_on_the_host(core):
 
 
 @pytest.mark.parametrize("impl", mt.IMPLS)
+def test_fullgraph_compile_takes_a_scale_that_varies(impl):
+    # the second scale makes the compiled graph's scale symbolic (a SymFloat): the finite check must not break it
+    q = torch.randn(1, 2, 16, 8)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, s: mt.attention(q, q, q, impl=impl, scale=s), fullgraph=True, backend="aot_eager")
+    for scale in (0.3, 0.5, 0.7):
+        torch.testing.assert_close(compiled(q, scale), mt.attention(q, q, q, impl=impl, scale=scale))
+
+
+@pytest.mark.parametrize("impl", mt.IMPLS)
 @pytest.mark.parametrize("kind", ["attention", "encoder"])
 def test_fullgraph_compile_with_dropout_matches_seeded_eager(impl, kind):
     # aot_eager draws random numbers from the same generator as eager: one seed, the same masks
