@@ -48,10 +48,11 @@ FLEX_PATHS = ("flex", "torch-flex", "torch-flex-compiled")
 
 
 def attention_pairs(n, causal=False, window=None):
-    """The (query, key) pairs of one (batch, head): n^2, halved by causality (as FlashAttention counts
-    it); with a window w, only the pairs inside it: query i sees itself, min(i, w) keys before it and (not
-    causal) min(n - 1 - i, w) after, which over the queries sum to m (m + 1) / 2 + (n - 1 - m) w each side,
-    m = min(n - 1, w): in closed form, so that a prediction at any n computes no (n,) tensor."""
+    """The (query, key) pairs of one (batch, head): n^2, halved by causality (FlashAttention's count: n^2 / 2,
+    where with the diagonal there are n (n + 1) / 2); with a window w, exactly the pairs inside it: query i
+    sees itself, min(i, w) keys before it and (not causal) min(n - 1 - i, w) after, which over the queries
+    sum to m (m + 1) / 2 + (n - 1 - m) w on each side, m = min(n - 1, w) (-1 for n = 0): a closed form, so
+    that a prediction at any n makes no (n,) tensor."""
     if window is None:
         return n * n / (2 if causal else 1)
     m = min(n - 1, window)
@@ -87,8 +88,9 @@ def chunk_sizes(point):
 def computed_pairs(point):
     """The pairs one (batch, head) of a series computes: chunked skips what causality and a window hide (counted
     as the visible pairs, FlashAttention's convention, though it computes the whole key blocks it visits), and
-    with documents the key blocks outside them (counted block by block, as it visits them; the flex paths
-    count the blocks of their BlockMask's grid where a query sees a key, torch's compiled one at its 128); the
+    with documents the key blocks outside them (counted as the blocks it visits, which cover the keys each
+    block of queries sees; the flex paths count the blocks of their BlockMask's grid that meet those keys,
+    torch's compiled one at its 128; study's BlockMask holds the documents and causality, no window); the
     fused kernels skip causal pairs only when causality reaches them as a flag; naive, torch's eager flex, and
     SDPA given a window or documents (only as an (n, n) mask), compute every pair and mask the rest."""
     p, n = point, point["n"]
@@ -100,9 +102,10 @@ def computed_pairs(point):
         docs = torch.tensor(packed_offsets(n, p["docs"]))
         visibility = mt.Visibility(mt.named_rules(p["causal"], None if grid else p["window"], docs, L=n))
         pairs = 0
-        for rows in mt._blocks(n, cq):  # keys: [lo, hi), those some query of rows sees (one block of n keys)
-            for keys in visibility.key_blocks(rows, n, n):  # chunked's blocks cover them, the grid's meet them
-                lo, hi = (keys.start // ck * ck, min(n, -(-keys.stop // ck) * ck)) if grid else (keys.start, keys.stop)
+        for rows in mt._blocks(n, cq):  # the keys [lo, hi) that some query of rows sees: key_blocks with one
+            for keys in visibility.key_blocks(rows, n, n):  # block of n keys gives them as one slice (or none)
+                lo, hi = keys.start, keys.stop  # chunked's blocks cover them; the grid's blocks that meet them:
+                lo, hi = (lo // ck * ck, min(n, -(-hi // ck) * ck)) if grid else (lo, hi)  # rounded out to ck
                 pairs += (rows.stop - rows.start) * (hi - lo)
         return pairs
     dense = p["path"] in ("naive", "torch-flex") or (p["path"] not in ("chunked", "ring") and (

@@ -469,9 +469,9 @@ def _worker(conn, device, budget_bytes, rank, world, store, linux_memory):
     if budget_bytes and device == "cuda":  # the caching allocator's cap for this process
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total))
-    elif budget_bytes:  # thread pools, malloc's arenas, the profiler and the compiler that chunked's operators
-        with _AllocPeak():  # load reserve some 300 MiB of address space when first used: reserved here, once,
-            x = torch.randn(2048, 2048, requires_grad=True)  # they count against no point's budget
+    elif budget_bytes:  # what reserves address space when first used (some 300 MiB: thread pools, malloc's
+        with _AllocPeak():  # arenas, the profiler, the compiler that chunked's operators load) is reserved
+            x = torch.randn(2048, 2048, requires_grad=True)  # here, once, against no point's budget
             (x @ x).sum().backward()
             mt.chunked_attention(*[x[None, None, :8, :8]] * 3).sum().backward()
     while (spec := conn.recv()) is not None:

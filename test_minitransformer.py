@@ -4530,11 +4530,12 @@ def test_attention_flops_follow_flashattention_convention():
     assert cost_model.attention_flops(2, 3, 128, 64) == 4 * 2 * 3 * 128 * 128 * 64
     assert cost_model.attention_flops(2, 3, 128, 64, causal=True) == 4 * 2 * 3 * 128 * 128 * 64 / 2
     assert cost_model.attention_flops(2, 3, 128, 64, mode="fwd+bwd") == 3.5 * cost_model.attention_flops(2, 3, 128, 64)
-    for n, w in ((11, 0), (11, 10), (11, 50), (1, 2), (0, 2), (11, 3)):  # with a window, the visible pairs exactly
-        local = sum(1 for i in range(n) for j in range(n) if abs(i - j) <= w)
-        local_causal = sum(1 for i in range(n) for j in range(n) if 0 <= i - j <= w)
-        assert cost_model.attention_flops(1, 1, n, 1, window=w) == 4 * local, (n, w)
-        assert cost_model.attention_flops(1, 1, n, 1, causal=True, window=w) == 4 * local_causal, (n, w)
+    def visible(n, w, causal):  # the pairs inside the window, counted one by one
+        return sum(1 for i in range(n) for j in range(n) if (0 if causal else -w) <= i - j <= w)
+    for n, w in ((11, 3), (11, 0), (11, 10), (11, 50), (1, 2), (0, 2)):  # with a window, the visible pairs exactly
+        assert cost_model.attention_flops(1, 1, n, 1, window=w) == 4 * visible(n, w, False), (n, w)
+        assert cost_model.attention_flops(1, 1, n, 1, causal=True, window=w) == 4 * visible(n, w, True), (n, w)
+    n, w, local_causal = 11, 3, visible(11, 3, True)
     point = {"B": 1, "H": 1, "n": n, "D": 1, "causal": True, "window": w, "mode": "fwd"}  # what each path computes
     assert cost_model.computed_flops({**point, "path": "chunked"}) == 4 * local_causal
     assert cost_model.computed_flops({**point, "path": "flash"}) == cost_model.computed_flops(
