@@ -384,16 +384,18 @@ def measure_compare(spec):
 def measure_matmul(spec):
     """TFLOP/s of a square matmul in the sweep's dtype: the practical ceiling of this device. The best rate over
     `seconds` of repeats (on a shared machine, the one least disturbed by other work), at size N, or smaller
-    where one product of the doubling sizes from 128 would take over a twentieth of `seconds`: a dtype the
-    device only emulates (bfloat16 on a CPU without native support: a minute at 2048) is timed in seconds."""
+    where one product of the doubling sizes from 128 takes over a tenth of `seconds`, timed after one to warm
+    up (a first product also pays for new pages and waking threads): a dtype the device only emulates
+    (bfloat16 on a CPU without native support: a minute at 2048) is timed in seconds."""
     device, dtype, N = torch.device(spec["device"]), getattr(torch, spec["dtype"]), 128
     while True:
         a, b = (torch.randn(N, N, device=device).to(dtype) for _ in range(2))
+        a @ b  # the warm-up
         _sync(device)
         t0 = time.perf_counter()
-        a @ b  # also the warm-up
+        a @ b
         _sync(device)
-        if N >= spec["N"] or time.perf_counter() - t0 > spec["seconds"] / 20:
+        if N >= spec["N"] or time.perf_counter() - t0 > spec["seconds"] / 10:
             break
         N *= 2
     times, t_end = [], time.perf_counter() + spec["seconds"]

@@ -5322,7 +5322,7 @@ def test_native_bf16_ignores_emulation(monkeypatch):
 
 
 def test_the_matmul_rate_never_times_a_slow_product_for_minutes():
-    # where one product of the doubling sizes would take over a twentieth of the time allowed (a dtype the device
+    # where one product of the doubling sizes takes over a tenth of the time allowed (a dtype the device
     # emulates: bfloat16 on a CPU without native support, a minute at 2048 there), the rate is a smaller size's;
     # else the size asked for
     slow = study.measure_matmul({"device": "cpu", "dtype": "float32", "N": 2048, "seconds": 1e-9})
