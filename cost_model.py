@@ -49,10 +49,10 @@ FLEX_PATHS = ("flex", "torch-flex", "torch-flex-compiled")
 
 def attention_pairs(n, causal=False, window=None):
     """The (query, key) pairs of one (batch, head): n^2, halved by causality (FlashAttention's count: n^2 / 2,
-    where with the diagonal there are n (n + 1) / 2); with a window w, exactly the pairs inside it: query i
-    sees itself, min(i, w) keys before it and (not causal) min(n - 1 - i, w) after, which over the queries
-    sum to m (m + 1) / 2 + (n - 1 - m) w on each side, m = min(n - 1, w) (-1 for n = 0): a closed form, so
-    that a prediction at any n makes no (n,) tensor."""
+    where with the diagonal there are n (n + 1) / 2: a causal window of w >= n counts n / 2 more); with a
+    window w, exactly the pairs inside it: query i sees itself, min(i, w) keys before it and (not causal)
+    min(n - 1 - i, w) after, which over the queries sum to m (m + 1) / 2 + (n - 1 - m) w on each side, m =
+    min(n - 1, w) (-1 for n = 0): a closed form, so that a prediction at any n makes no (n,) tensor."""
     if window is None:
         return n * n / (2 if causal else 1)
     m = min(n - 1, window)

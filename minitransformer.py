@@ -813,7 +813,7 @@ def sliding_window(w):
 
 def same_document(cu_seqlens, L, device=None):
     """Packed documents: query i sees the keys of its own document, in a row of L tokens. The keys' range
-    reads cu_seqlens on the host (a CPU tensor: no sync); compiled, none is given (no block is skipped)."""
+    reads cu_seqlens on the host (a CPU tensor: no sync); compiled, no key range is given (none skipped)."""
     doc_ids = documents(cu_seqlens, L, device)[0]  # (L,)
     if torch.compiler.is_compiling():
         return Rule(mask=lambda i, j: doc_ids[i] == doc_ids[j])
@@ -1211,14 +1211,14 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
                       enable_gqa=False, return_lse=False, score_mod=None):
     """softmax(Q K^T * scale + M) V, the same result as naive_attention, in O(L) memory.
 
-    chunk_size: int or (query block, key block); None: default_chunk_size. Blocks that causality (top-left,
-    or bottom-right with causal_lower_right), window_size or the documents of cu_seqlens hide are skipped;
-    ALiBi's bias is made block by block; with enable_gqa K, V and their gradients keep H_kv heads, never
-    repeated. Gradients flow to q, k, v and to a float attn_mask that requires grad; dropout's seed is drawn
-    from the device's generator after the checks. return_lse: also lse = log sum_j exp(S_ij), (B, H, Lq),
-    float32 or wider, -inf where a query sees no key, differentiable: attention over disjoint sets of keys
-    merges exactly by it (strided attention, the ring). score_mod, and a BlockMask as attn_mask: FlexAttention
-    (flex_attention); score_mod sees q.k * scale, before ALiBi and a float attn_mask are added."""
+    chunk_size: int or (query block, key block); None: default_chunk_size. Blocks that causality (top-left, or
+    bottom-right with causal_lower_right), window_size or cu_seqlens' documents hide are skipped; ALiBi's bias
+    made block by block; with enable_gqa K, V and their gradients keep H_kv heads, never repeated. Gradients
+    flow to q, k, v and a float attn_mask that requires grad; dropout's seed is drawn from the device's
+    generator once the arguments pass (a mod's result is checked later). return_lse: also lse = log sum_j
+    exp(S_ij), (B, H, Lq), float32 or wider, -inf where a query sees no key, differentiable: attention over
+    disjoint sets of keys merges exactly by it (strided attention, the ring). score_mod and a BlockMask as
+    attn_mask: flex_attention's; score_mod sees q.k * scale, before ALiBi and a float attn_mask are added."""
     block_mask, attn_mask = (attn_mask, None) if isinstance(attn_mask, BlockMask) else (None, attn_mask)
     q, k, v, attn_mask, is_causal, shift, scale = _attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
@@ -2035,7 +2035,7 @@ def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size
     if torch.is_tensor(scale) and scale.requires_grad:  # float() would drop its gradient silently
         raise TypeError("scale must be a number, not a tensor that requires grad (SDPA refuses it too)")
     scale = (1.0 / math.sqrt(D) if D else 1.0) if scale is None else float(scale)  # SDPA's; D = 0: scores 0
-    if not torch.compiler.is_compiling() and not math.isfinite(scale):  # compiled: unread, maybe a SymFloat
+    if not torch.compiler.is_compiling() and not math.isfinite(scale):  # compiled: unchecked (a SymFloat)
         raise ValueError(f"scale must be a finite number, got {scale}")
     attn_mask = None if attn_mask is None else _check_mask(attn_mask, q, (B, H, Lq, Lk))
     return q, k, v, attn_mask, is_causal, shift, scale

@@ -383,10 +383,10 @@ def measure_compare(spec):
 
 def measure_matmul(spec):
     """TFLOP/s of a square matmul in the sweep's dtype: the practical ceiling of this device. The best rate over
-    `seconds` of repeats (on a shared machine, the one least disturbed by other work), at size N, or smaller
-    where one product of the doubling sizes from 128 takes over a tenth of `seconds`, timed after one to warm
-    up (a first product also pays for new pages and waking threads): a dtype the device only emulates
-    (bfloat16 on a CPU without native support: a minute at 2048) is timed in seconds."""
+    `seconds` of repeats (on a shared machine, the one least disturbed by other work), at size N, or at the
+    first of the doubling sizes from 128 whose product takes over a tenth of `seconds`, timed after one to
+    warm up (a first product also pays for new pages and waking threads): a dtype the device only emulates
+    (bfloat16 on a CPU without native support: a minute at 2048) takes seconds, not minutes."""
     device, dtype, N = torch.device(spec["device"]), getattr(torch, spec["dtype"]), 128
     while True:
         a, b = (torch.randn(N, N, device=device).to(dtype) for _ in range(2))
@@ -408,9 +408,10 @@ def measure_matmul(spec):
 
 
 def emulated(rate, N, dtype):
-    """What a matmul rate (measure_matmul's) timed on a product smaller than N x N says: this device emulates
-    dtype, so slowly that it took the smaller product (None where it is N x N's)."""
-    if rate.get("N", N) < N:
+    """What a matmul rate (measure_matmul's) timed on a product smaller than N x N says of a 16-bit dtype: this
+    device emulates it, so slowly that it took the smaller product (None where it is N x N's, or for float32,
+    which every device computes natively: there a slow or busy machine took it)."""
+    if rate.get("N", N) < N and dtype != "float32":
         return f"the matmul rate is a {rate['N']} x {rate['N']} product's, not {N} x {N}: this device emulates {dtype}"
     return None
 
@@ -471,9 +472,9 @@ def _worker(conn, device, budget_bytes, rank, world, store, linux_memory):
     if budget_bytes and device == "cuda":  # the caching allocator's cap for this process
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total))
-    elif budget_bytes:  # what reserves address space when first used (some 300 MiB: thread pools, malloc's
-        with _AllocPeak():  # arenas, the profiler, the compiler that chunked's operators load) is reserved
-            x = torch.randn(2048, 2048, requires_grad=True)  # here, once, against no point's budget
+    elif budget_bytes:  # what takes address space when first used (some 300 MiB: thread pools, malloc's
+        with _AllocPeak():  # arenas, the profiler, torch's compiler, which chunked's operators import) takes
+            x = torch.randn(2048, 2048, requires_grad=True)  # it here, once, so that no point's budget pays
             (x @ x).sum().backward()
             mt.chunked_attention(*[x[None, None, :8, :8]] * 3).sum().backward()
     while (spec := conn.recv()) is not None:
