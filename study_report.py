@@ -117,11 +117,16 @@ def memory_wall(rows):
     return [(s, m, ok, oom, float(b) if b else None) for (s, m), (ok, oom, b) in walls.items()]
 
 
-def plot(rows, out_dir, title):
+def pyplot():
+    """matplotlib.pyplot, drawing to files only (Agg); imported on first use, as --predict never draws."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
 
+
+def plot(rows, out_dir, title):
+    plt = pyplot()
     curves, fits, walls = _ok_rows(rows), exponents(rows), memory_wall(rows)
     series = list(dict.fromkeys(r["series"] for r in rows))
     hue = plt.get_cmap("tab10" if len(series) <= 10 else "tab20").colors  # tab10: C0-C9; past 10 series, 20
@@ -259,14 +264,17 @@ def noise_report(rows):
         once = ok and "ms_min" in ok[0]  # the column is there, empty: one repeat each
         return ["", "Spread of the repeats: none, every point timed once (--quick, where one repeat took its target "
                 "time)." if once else "Spread of the repeats: not recorded in this CSV (written before study.py did)."]
-    twice = [r for r in ok if r.get("noise")]
-    noisy = [f"{r['series']} {r['mode']} n={r['n']} ({spread(r):.2f}x)" for r in twice
-             if r["noise"].startswith("noisy")]
-    return ["", f"Spread: each point's slowest repeat over its fastest (time: their median). {len(twice)} of {len(ok)} "
-            f"points spread wider than {NOISY:g}x and were measured once more, keeping the run that spread less; "
-            + (f"{len(noisy)} of them still wider after it, so their times and the ratios from them are noisy: "
-               f"{'; '.join(noisy)}." if noisy else
-               "none stayed wider.")]
+    twice = [r for r in ok if "measured twice" in r.get("noise", "")]
+    noisy = [f"{r['series']} {r['mode']} n={r['n']} ({spread(r):.2f}x)" for r in ok
+             if r.get("noise", "").startswith("noisy")]
+    said = f"Spread: each point's slowest repeat over its fastest (time: their median). "
+    if any("measured once" in r.get("noise", "") for r in ok):  # --quick's
+        return ["", said + f"{len(noisy)} of {len(ok)} points spread wider than {NOISY:g}x (--quick measures each "
+                f"point once), so their times and the ratios from them are noisy: {'; '.join(noisy)}."]
+    return ["", said + f"{len(twice)} of {len(ok)} points spread wider than {NOISY:g}x and were measured once more, "
+            "keeping the run that spread less; " + (f"{len(noisy)} of them still wider after it, so their times and "
+                                                    f"the ratios from them are noisy: {'; '.join(noisy)}." if noisy else
+                                                    "none stayed wider.")]
 
 
 def _over_predicted(r):

@@ -4883,6 +4883,14 @@ def test_the_study_shows_its_noise(tmp_path, monkeypatch):
     ratio = re.search(r"naive/chunked memory \S+, time (\S+) \((\S+)-(\S+)\)", summary)  # at n=256, fwd
     assert ratio and float(ratio[2]) < float(ratio[1][:-1]) < float(ratio[3]), summary
     assert len(bars) == 4 and sorted(len(x) for x, _ in bars) == [3, 3, 3, 3]  # 2 series x 2 modes, every point
+    runs.clear()  # --quick measures each point once: the wide ones are only marked
+    study.main(ARGS + ["--quick", "--out", str(tmp_path / "quick")], runner=runner)
+    assert set(runs.values()) == {1}
+    rows = {(r["series"], r["mode"], int(r["n"])): r["noise"] for r in study.read_rows(tmp_path / "quick" / "study.csv")}
+    assert {key for key, noise in rows.items() if noise} == set(spreads)
+    assert set(rows.values()) == {"", "noisy, measured once (--quick)"}
+    assert ("2 of 12 points spread wider than 1.25x (--quick measures each point once), so their times and the ratios "
+            "from them are noisy: naive fwd n=128 (2.00x); chunked fwd n=256 (2.00x).") in (tmp_path / "quick" / "summary.md").read_text()
 
 
 def test_sweep_records_oom_and_goes_on(tmp_path):
