@@ -44,7 +44,7 @@ import minitransformer as mt
 import train
 from cost_model import (BAND, FLEX_PATHS, MIB, SDPA_SERIES, computed_flops, computed_pairs, input_bytes,
                         packed_offsets, predicted_mib)
-from study_report import MODES, NOISY, plot, pyplot, report, spread, table
+from study_report import MODES, NOISY, QUICK_MARK, plot, pyplot, report, spread, table
 
 try:  # POSIX only
     import resource
@@ -500,6 +500,7 @@ class WorkerRunner:
         self.others = {}  # world: WorkerRunner
 
     def start(self):
+        self._stop()  # the processes of an earlier start, if any
         ctx = mp.get_context("spawn")  # a fresh interpreter: no state, threads or heap from the parent
         store = os.path.join(tempfile.mkdtemp(prefix="study-ring-"), "store")
         pipes = [ctx.Pipe() for _ in range(self.world)]
@@ -535,7 +536,6 @@ class WorkerRunner:
         if (world := spec.get("world", 1)) != self.world:  # its processes start at its first point
             return self.others.setdefault(world, WorkerRunner(self.device, self.budget_bytes, world))(spec)
         if not self.procs or not all(proc.is_alive() for proc in self.procs):
-            self._stop()
             self.start()
         for conn in self.conns:
             conn.send(spec)
@@ -688,14 +688,14 @@ _FORMATS = {".3f": ("ms", "ms_min", "ms_max", "comm_ms"), ".1f": ("peak_mib", "r
             ".4f": ("tflops", "pairs"), ".3e": COLUMNS[-4:]}  # how a measured row is written (.3e: the errors)
 
 
-def _measured_once_more(p, r, runner, again=True):
+def _measured_once_more(p, r, runner, remeasure=True):
     """(result, noise): a point whose repeats spread wider than NOISY is measured once more, and the run of
     the two that spread less is kept; noise says so, with the other run's median and spread (so nothing
-    measured is lost), and "noisy" where both spread wider than NOISY. again=False (--quick): only marked."""
+    measured is lost), and "noisy" where both spread wider than NOISY. remeasure=False (--quick): only marked."""
     if (first := spread(r)) is None or first <= NOISY:
         return r, ""
-    if not again:
-        return r, "noisy, measured once (--quick)"
+    if not remeasure:
+        return r, QUICK_MARK
     try:
         again = runner(p)
     except (PointOOM, PointUnsupported) as e:  # the first run stands, marked
@@ -705,9 +705,9 @@ def _measured_once_more(p, r, runner, again=True):
     return kept, ("noisy, " if spread(kept) > NOISY else "") + noise
 
 
-def sweep(points, runner, log, done, ceiling, threads, predict_wall=False, again=True):
+def sweep(points, runner, log, done, ceiling, threads, predict_wall=False, remeasure=True):
     """Measure every point not in `done`; OOM stops that curve, any other error stops the run. A point whose
-    repeats spread wide is measured once more, unless again=False (_measured_once_more).
+    repeats spread wide is measured once more, unless remeasure=False (_measured_once_more).
 
     predict_wall: no limit holds the worker to its budget (an OS without RLIMIT_AS), so a point whose predicted
     peak and inputs, times the model's band (BAND[1]: the most it may be off), exceed the budget is recorded
@@ -728,7 +728,7 @@ def sweep(points, runner, log, done, ceiling, threads, predict_wall=False, again
                 if need > 1024 * float(p["mem_budget_gib"]):
                     raise PointOOM(f"predicted: {need:.0f} MiB with the inputs and the model's margin > the "
                                    "budget (no RLIMIT_AS here)")
-            r, noise = _measured_once_more(p, runner(p), runner, again)
+            r, noise = _measured_once_more(p, runner(p), runner, remeasure)
             predicted = predicted_mib({**p, "kernel": r["kernel"]}, threads)
             tflops = computed_flops(p) / (r["ms"] / 1e3) / 1e12
             measured = {**r, "predicted_mib": predicted, "tflops": tflops, "pct_matmul": 100 * tflops / ceiling,
@@ -978,7 +978,7 @@ def main(argv=None, runner=None):
             runner = stack.enter_context(contextlib.closing(workers))
             workers.start()  # they import torch and warm up for seconds, while this process loads matplotlib
             if not args.compare:
-                pyplot()
+                pyplot()  # imported only: plot() finds it loaded
         info = {**runner({"kind": "device", "device": device.type}), "device": device.type}
         dtype = choose_dtype(args.dtype, device, info["bf16"])
         if args.compare:
@@ -1045,7 +1045,8 @@ def _sweep(args, p, info, dtype, lengths, series, batch, modes, budget_gib, runn
         print(f"study: {title}; {len(todo)} points -> {csv_path}")
         print(f"matmul ceiling: {ceiling:.3f} TFLOP/s ({dtype}, measured now)" + f"\n{slow}" * bool(slow))
         sweep(todo, lambda pt: runner({**pt, "device": info["device"]}), log, done, ceiling,
-              info.get("threads"), predict_wall=info["device"] == "cpu" and not LINUX_MEMORY, again=not args.quick)
+              info.get("threads"), predict_wall=info["device"] == "cpu" and not LINUX_MEMORY,
+              remeasure=not args.quick)
     note = f"sweep took {time.time() - t0:.0f} s; command: `{command}`; code: {code}"
     if slow:
         note += f"\n\n{slow}"
@@ -1081,4 +1082,4 @@ def write_report(csv_path, out, title, note):
 
 if __name__ == "__main__":
     main()
-    gc.freeze()  # the interpreter's exit then leaves torch's and matplotlib's objects to the OS: 0.5 s less
+    gc.freeze()  # the exit's garbage collections then skip every object alive now (torch's, matplotlib's)

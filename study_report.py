@@ -13,7 +13,8 @@ import approximate_attention as approx
 from cost_model import BAND, CHECKED_MIB, FLEX_PATHS, MIB, attention_pairs, packed_offsets
 
 MODES = ("fwd", "fwd+bwd")
-NOISY = 1.25  # a point whose slowest repeat took over 1.25x its fastest is measured once more, then marked
+NOISY = 1.25  # a point whose slowest repeat took over 1.25x its fastest is measured once more (not by --quick)
+QUICK_MARK = "noisy, not measured again (--quick)"  # the noise column of a wide point of --quick
 
 
 def spread(result):
@@ -118,7 +119,8 @@ def memory_wall(rows):
 
 
 def pyplot():
-    """matplotlib.pyplot, drawing to files only (Agg); imported on first use, as --predict never draws."""
+    """matplotlib.pyplot, drawing to files only (Agg); imported here, not with this module, as --predict never
+    draws (study.main imports it while its workers start)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -258,23 +260,31 @@ def table(header, rows):
 
 
 def noise_report(rows):
-    """The spread of the repeats: which points were measured twice, and which stayed noisy."""
+    """The spread of the repeats: which points were measured twice (a default run's wide ones), which --quick
+    only marked (it measures no point twice), and which stayed noisy."""
     ok = [r for r in rows if r["status"] == "ok"]
     if not any(spread(r) is not None for r in ok):
         once = ok and "ms_min" in ok[0]  # the column is there, empty: one repeat each
         return ["", "Spread of the repeats: none, every point timed once (--quick, where one repeat took its target "
                 "time)." if once else "Spread of the repeats: not recorded in this CSV (written before study.py did)."]
+    spread_known = [r for r in ok if spread(r) is not None]
     twice = [r for r in ok if "measured twice" in r.get("noise", "")]
+    marked = [r for r in ok if r.get("noise") == QUICK_MARK]
     noisy = [f"{r['series']} {r['mode']} n={r['n']} ({spread(r):.2f}x)" for r in ok
              if r.get("noise", "").startswith("noisy")]
-    said = f"Spread: each point's slowest repeat over its fastest (time: their median). "
-    if any("measured once" in r.get("noise", "") for r in ok):  # --quick's
-        return ["", said + f"{len(noisy)} of {len(ok)} points spread wider than {NOISY:g}x (--quick measures each "
-                f"point once), so their times and the ratios from them are noisy: {'; '.join(noisy)}."]
-    return ["", said + f"{len(twice)} of {len(ok)} points spread wider than {NOISY:g}x and were measured once more, "
-            "keeping the run that spread less; " + (f"{len(noisy)} of them still wider after it, so their times and "
-                                                    f"the ratios from them are noisy: {'; '.join(noisy)}." if noisy else
-                                                    "none stayed wider.")]
+    said = ["Spread: each point's slowest repeat over its fastest (time: their median), for the "
+            f"{len(spread_known)} of {len(ok)} points timed more than once."]
+    were = lambda n: f"{n} spread wider than {NOISY:g}x and {'was' if n == 1 else 'were'}"  # noqa: E731
+    if twice:
+        said.append(f"{were(len(twice))} measured once more, keeping the run that spread less.")
+    if marked:
+        said.append(f"{were(len(marked))} not measured again (--quick).")
+    if noisy:
+        said.append(f"{'Still wider after it, so noisy' if twice and not marked else 'Noisy'}, their times and the ratios from "
+                    f"them: {'; '.join(noisy)}.")
+    else:
+        said.append(f"None stayed wider than {NOISY:g}x." if twice else f"None spread wider than {NOISY:g}x.")
+    return ["", " ".join(said)]
 
 
 def _over_predicted(r):
