@@ -280,8 +280,8 @@ def noise_report(rows):
     if marked:
         said.append(f"{were(len(marked))} not measured again (--quick).")
     if noisy:
-        said.append(f"{'Still wider after it, so noisy' if twice and not marked else 'Noisy'}, their times and the ratios from "
-                    f"them: {'; '.join(noisy)}.")
+        lead = "Still wider after it, so noisy" if twice and not marked else "Noisy"
+        said.append(f"{lead}, their times and the ratios from them: {'; '.join(noisy)}.")
     else:
         said.append(f"None stayed wider than {NOISY:g}x." if twice else f"None spread wider than {NOISY:g}x.")
     return ["", " ".join(said)]
