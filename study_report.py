@@ -269,19 +269,22 @@ def noise_report(rows):
                 "time)." if once else "Spread of the repeats: not recorded in this CSV (written before study.py did)."]
     spread_known = [r for r in ok if spread(r) is not None]
     twice = [r for r in ok if "measured twice" in r.get("noise", "")]
-    marked = [r for r in ok if r.get("noise") == QUICK_MARK]
+    failed = sum("second run failed" in r["noise"] for r in twice)
+    marked = [r for r in ok if r.get("noise", "").endswith("(--quick)")]
     noisy = [f"{r['series']} {r['mode']} n={r['n']} ({spread(r):.2f}x)" for r in ok
              if r.get("noise", "").startswith("noisy")]
     said = ["Spread: each point's slowest repeat over its fastest (time: their median), for the "
             f"{len(spread_known)} of {len(ok)} points timed more than once."]
     were = lambda n: f"{n} spread wider than {NOISY:g}x and {'was' if n == 1 else 'were'}"  # noqa: E731
     if twice:
-        said.append(f"{were(len(twice))} measured once more, keeping the run that spread less.")
+        said.append(f"{were(len(twice))} measured once more, keeping the run that spread less"
+                    + (f"; for {failed} the second run failed, and the first stands." if failed else "."))
     if marked:
         said.append(f"{were(len(marked))} not measured again (--quick).")
     if noisy:
-        lead = "Still wider after it, so noisy" if twice and not marked else "Noisy"
-        said.append(f"{lead}, their times and the ratios from them: {'; '.join(noisy)}.")
+        lead = (f"{len(noisy)} stayed wider after it, so their times and the ratios from them are noisy"
+                if twice and not marked else f"Noisy ({len(noisy)}), and so are the ratios from their times")
+        said.append(f"{lead}: {'; '.join(noisy)}.")
     else:
         said.append(f"None stayed wider than {NOISY:g}x." if twice else f"None spread wider than {NOISY:g}x.")
     return ["", " ".join(said)]

@@ -4879,7 +4879,7 @@ def test_the_study_shows_its_noise(tmp_path, monkeypatch):
     assert all(r["noise"] == "" for key, r in rows.items() if key not in spreads)
     summary = (tmp_path / "summary.md").read_text()
     assert "for the 12 of 12 points timed more than once. 2 spread wider than 1.25x and were measured once more" in summary
-    assert "ratios from them: chunked fwd n=256 (1.90x)." in summary
+    assert "1 stayed wider after it, so their times and the ratios from them are noisy: chunked fwd n=256 (1.90x)." in summary
     ratio = re.search(r"naive/chunked memory \S+, time (\S+) \((\S+)-(\S+)\)", summary)  # at n=256, fwd
     assert ratio and float(ratio[2]) < float(ratio[1][:-1]) < float(ratio[3]), summary
     assert len(bars) == 4 and sorted(len(x) for x, _ in bars) == [3, 3, 3, 3]  # 2 series x 2 modes, every point
@@ -4890,8 +4890,8 @@ def test_the_study_shows_its_noise(tmp_path, monkeypatch):
     assert {key for key, noise in rows.items() if noise} == set(spreads)
     assert set(rows.values()) == {"", "noisy, not measured again (--quick)"}
     summary = (tmp_path / "quick" / "summary.md").read_text()
-    assert ("2 spread wider than 1.25x and were not measured again (--quick). Noisy, their times and the ratios from "
-            "them: naive fwd n=128 (2.00x); chunked fwd n=256 (2.00x).") in summary
+    assert ("2 spread wider than 1.25x and were not measured again (--quick). Noisy (2), and so are the ratios from "
+            "their times: naive fwd n=128 (2.00x); chunked fwd n=256 (2.00x).") in summary
     assert "measured once more" not in summary
     spreads.clear()  # nothing wide: said as such, in either mode
     study.main(ARGS + ["--quick", "--out", str(tmp_path / "calm")], runner=runner)
@@ -4901,8 +4901,12 @@ def test_the_study_shows_its_noise(tmp_path, monkeypatch):
     mixed += [r for r in study.read_rows(tmp_path / "quick" / "study.csv") if r["n"] == "256"]
     said = study_report.noise_report(mixed)[1]
     assert ("1 spread wider than 1.25x and was measured once more, keeping the run that spread less. 1 spread wider "
-            "than 1.25x and was not measured again (--quick). Noisy, their times and the ratios from them: chunked "
-            "fwd n=256 (2.00x).") in said, said
+            "than 1.25x and was not measured again (--quick). Noisy (1), and so are the ratios from their times: "
+            "chunked fwd n=256 (2.00x).") in said, said
+    failed = [{**r, "noise": "noisy, measured twice; the second run failed: out of memory"} if r["noise"] else r
+              for r in study.read_rows(tmp_path / "study.csv") if r["n"] != "256"]  # naive fwd n=128 (1.10x)
+    assert ("1 spread wider than 1.25x and was measured once more, keeping the run that spread less; for 1 the second "
+            "run failed, and the first stands.") in study_report.noise_report(failed)[1]
 
 
 def test_sweep_records_oom_and_goes_on(tmp_path):
