@@ -2035,7 +2035,7 @@ def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size
     if torch.is_tensor(scale) and scale.requires_grad:  # float() would drop its gradient silently
         raise TypeError("scale must be a number, not a tensor that requires grad (SDPA refuses it too)")
     scale = (1.0 / math.sqrt(D) if D else 1.0) if scale is None else float(scale)  # SDPA's; D = 0: scores 0
-    if not torch.compiler.is_compiling() and not math.isfinite(scale):  # compiled: unchecked (a SymFloat)
+    if not abs(scale) < math.inf:  # compile's SymFloat (a scale that varies) passes: it is taken finite
         raise ValueError(f"scale must be a finite number, got {scale}")
     attn_mask = None if attn_mask is None else _check_mask(attn_mask, q, (B, H, Lq, Lk))
     return q, k, v, attn_mask, is_causal, shift, scale

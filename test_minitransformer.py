@@ -3955,11 +3955,14 @@ def test_the_core_compiles_to_one_graph_and_reads_nothing_on_the_host(core):
 
 
 @pytest.mark.parametrize("impl", mt.IMPLS)
-def test_fullgraph_compile_takes_a_scale_that_varies(impl):
-    # the second scale makes the compiled graph's scale symbolic (a SymFloat): the finite check must not break it
+def test_fullgraph_compile_refuses_a_scale_that_is_not_finite_and_takes_one_that_varies(impl):
+    # a constant scale is checked under compile too; a second scale makes the compiled graph's scale symbolic (a
+    # SymFloat): the finite check must not break it
     q = torch.randn(1, 2, 16, 8)
     torch._dynamo.reset()
     compiled = torch.compile(lambda q, s: mt.attention(q, q, q, impl=impl, scale=s), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="scale must be a finite number, got nan"):
+        compiled(q, math.nan)
     for scale in (0.3, 0.5, 0.7):
         torch.testing.assert_close(compiled(q, scale), mt.attention(q, q, q, impl=impl, scale=scale))
 
@@ -4907,6 +4910,8 @@ def test_the_study_shows_its_noise(tmp_path, monkeypatch):
               for r in study.read_rows(tmp_path / "study.csv") if r["n"] != "256"]  # naive fwd n=128 (1.10x)
     assert ("1 spread wider than 1.25x and was measured once more, keeping the run that spread less; for 1 the second "
             "run failed, and the first stands.") in study_report.noise_report(failed)[1]
+    just = [{**r, "ms_max": str(1.252 * float(r["ms_min"]))} if r["noise"] else r for r in failed]
+    assert "naive fwd n=128 (1.252x)." in study_report.noise_report(just)[1]  # wider than 1.25x: not "1.25x"
 
 
 def test_sweep_records_oom_and_goes_on(tmp_path):
