@@ -435,8 +435,7 @@ class EncoderLayer(nn.Module):
     pre-LN (norm_first=True, EncoderConfig's):  x = x + SA(LN(x));   x = x + FF(LN(x))
     FF(x) = W2 dropout(act(W1 x + b1)) + b2; SA's and FF's outputs pass through dropout before the sum (the
     paper's residual dropout: dropout1, dropout2), and SA drops attention weights too. x: (B, T, d_model) ->
-    (B, T, d_model).
-    """
+    (B, T, d_model)."""
 
     def __init__(self, d_model, n_heads, d_ff, dropout=0.1, norm_first=False, activation="relu", impl="flash",
                  layer_norm_eps=1e-5, *, bias=True, chunk_size=None, window_size=None, rope=None,
@@ -535,8 +534,7 @@ class Encoder(nn.Module):
     which act inside attention, it is dropout alone), then n_layers EncoderLayers, then a final LayerNorm
     for pre-LN (post-LN layers already end in one). score_mod: FlexAttention's, one for all layers
     (MultiHeadAttention). Called with is_causal=True it is a decoder-only model (GPT's, Llama's: no
-    cross-attention), which KVCaches serve token by token.
-    """
+    cross-attention), which KVCaches serve token by token."""
 
     def __init__(self, config, score_mod=None):
         super().__init__()
@@ -1089,8 +1087,7 @@ def attend_block(q, k, v, rows, o, m, l, opts):
     float32 (float64 for float64), are updated in place; opts: block_options. m starts at the lowest finite
     value, not -inf: a row that has seen no key keeps it, and its P_j is exp2(-inf - m') = 0, where -inf would
     give exp2(-inf + inf) = NaN. k, v may have fewer heads (GQA; o must then be contiguous: the products are
-    added into its view (B * H_kv, G * rows, Dv), G = H / H_kv).
-    """
+    added into its view (B * H_kv, G * rows, Dv), G = H / H_kv)."""
     if q.size(0) * q.size(1) == 0:  # an empty batch, or no heads: nothing to attend
         return
     q_i = _per_kv_head(q[:, :, rows], k)  # (B * H_kv, G * rows, D)
@@ -1215,10 +1212,10 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     bottom-right with causal_lower_right), window_size or cu_seqlens' documents hide are skipped; ALiBi's bias
     made block by block; with enable_gqa K, V and their gradients keep H_kv heads, never repeated. Gradients
     flow to q, k, v and a float attn_mask that requires grad; dropout's seed is drawn from the device's
-    generator once the arguments pass (a mod's result is checked later). return_lse: also lse = log sum_j
-    exp(S_ij), (B, H, Lq), float32 or wider, -inf where a query sees no key, differentiable: attention over
-    disjoint sets of keys merges exactly by it (strided attention, the ring). score_mod and a BlockMask as
-    attn_mask: flex_attention's; score_mod sees q.k * scale, before ALiBi and a float attn_mask are added."""
+    generator once the arguments pass (a traced mod's result too, on a few keys). return_lse: also lse = log
+    sum_j exp(S_ij), (B, H, Lq), float32 or wider, -inf where a query sees no key, differentiable: attention
+    over disjoint sets of keys merges exactly by it (strided attention, the ring). score_mod and a BlockMask
+    as attn_mask: flex_attention's; score_mod sees q.k * scale, and ALiBi and a float attn_mask come after."""
     block_mask, attn_mask = (attn_mask, None) if isinstance(attn_mask, BlockMask) else (None, attn_mask)
     q, k, v, attn_mask, is_causal, shift, scale = _attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
@@ -1226,12 +1223,12 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     alibi_slopes, mods = _checked_alibi(alibi_slopes, q), {}
     if score_mod is not None or block_mask is not None:  # Python functions: no custom operator takes them
         cq, ck = (cq, ck) if block_mask is None else _check_block_mask(block_mask, q, k)
-        shape = (*q.shape[:-1], k.size(-2))
         grad = any(t is not None and t.requires_grad for t in (q, k, v, attn_mask))  # the backward's mods
+        call = ((*q.shape[:-1], k.size(-2)), q.device, q.dtype, grad, dropout_p > 0.0)  # shape, ...: _Mod's
         if score_mod is not None:
-            mods.update(score_mod=_Mod(score_mod, "score_mod", shape, q.device, q.dtype, grad))
+            mods.update(score_mod=_Mod(score_mod, "score_mod", *call))
         if block_mask is not None:
-            mods.update(mask_mod=_Mod(block_mask.mask_mod, "mask_mod", shape, q.device, q.dtype, grad),
+            mods.update(mask_mod=_Mod(block_mask.mask_mod, "mask_mod", *call),
                         plan=_block_plan(block_mask, k.size(-2)))
     seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
     if mods:
@@ -1505,7 +1502,7 @@ class _Mod:
     indexed by all the indices at once); else vmapped, as torch runs it. A score_mod score + f(b, h, q_idx,
     kv_idx) (ALiBi, a relative table) is run as its bias f (bias, sign). shape: (B, H, Lq, Lk) of the call."""
 
-    def __init__(self, mod, name, shape, device, dtype, grad=False):
+    def __init__(self, mod, name, shape, device, dtype, grad=False, dropout=False):
         if isinstance(mod, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):  # as torch's flex_attention
             raise ValueError(f"{name}: a TorchScript function, which cannot be traced: pass it as Python")
         self.name, self.score, self.fn, self.inputs, self.in_place = name, name == "score_mod", mod, (), True
@@ -1542,7 +1539,9 @@ class _Mod:
             raise ValueError("under torch.compile, score_mod may read no tensor that requires grad: finding "
                              "it takes torch.fx, which runs outside the compiled graph (compile around the "
                              "attention: torch.compiler.disable)")
-        self.broadcast = gm is not None and _elementwise(gm) and self._broadcasts(shape, dtype)
+        elementwise = gm is not None and _elementwise(gm)
+        probe = elementwise or (gm is not None and dropout)  # its vmapped call refuses before the seed
+        self.broadcast = probe and self._broadcasts(shape, dtype) and elementwise
         self.bias, self.sign = _additive(gm) if self.score and self.broadcast else (None, 0)
 
     def __call__(self, s, rows, cols, inputs, broadcast=None):
@@ -1574,14 +1573,16 @@ class _Mod:
 
     def _broadcasts(self, shape, dtype):
         """Whether a broadcast call, as a vmapped one, returns a value per (b, h, q_idx, kv_idx), on 4 queries
-        and 5 keys at most (a table read whole, s + table, broadcasts where vmap gives one per element)."""
+        and 5 keys at most (a table read whole, s + table, broadcasts where vmap gives one per element). The
+        vmapped call runs first: what the blocks would raise comes before dropout's seed is drawn."""
         rows, cols = slice(0, min(shape[2], 4)), slice(0, min(shape[3], 5))
         s = self.b.new_zeros(*shape[:2], rows.stop, cols.stop, dtype=torch.promote_types(dtype, torch.float))
-        with warnings.catch_warnings(), contextlib.suppress(Exception):  # vmap's warnings (masked_fill has no
-            warnings.simplefilter("ignore")  # batching rule) and errors come again where the mod runs vmapped
-            for broadcast in (False, True):  # vmapped first: a mod torch refuses never runs broadcast
-                self(s.clone() if self.score else None, rows, cols, self.inputs, broadcast=broadcast)
-            return True  # the shapes alone were checked (__call__): no value is read
+        with warnings.catch_warnings():  # vmap's (masked_fill has no batching rule): again where it runs
+            warnings.simplefilter("ignore")
+            self(s.clone() if self.score else None, rows, cols, self.inputs, broadcast=False)
+            with contextlib.suppress(Exception):  # where this call fails, every block runs vmapped
+                self(s.clone() if self.score else None, rows, cols, self.inputs, broadcast=True)
+                return True  # the shapes alone were checked (__call__): no value is read
         return False
 
 
@@ -1730,8 +1731,7 @@ def _matmul(a, b, alpha=1.0, out=None, add=False):
     FlashAttention-2's precision: the operands are multiplied in the inputs' dtype and the
     products accumulated in float32, as tensor cores do; on CUDA by bmm(..., out_dtype=float32);
     elsewhere float16 and bfloat16 are converted to float32 first, which is exact, so a CPU
-    computes what a GPU does (up to the order of the sums).
-    """
+    computes what a GPU does (up to the order of the sums)."""
     shape = (a.size(0), a.size(1), b.size(2))  # (N, m, n)
     res = None if out is None or add else out[:math.prod(shape)].view(shape)
     if a.dtype in (torch.float16, torch.bfloat16):

@@ -3277,11 +3277,13 @@ def test_a_refused_call_leaves_the_generator_and_a_scale_that_is_not_finite_is_r
     q = torch.randn(1, 2, 8, 4, requires_grad=True)
     t16 = torch.randn(2, dtype=torch.bfloat16, requires_grad=True)  # learned in 16 bits: refused with grad
     bad = [dict(alibi_slopes=torch.ones(3)), dict(scale=float("nan")),
-           dict(score_mod=lambda s, b, h, q_idx, kv_idx: s + t16[h])]
+           dict(score_mod=lambda s, b, h, q_idx, kv_idx: s + t16[h]),
+           dict(score_mod=lambda s, b, h, q_idx, kv_idx: (s * 2).int()),  # an int result: refused before the seed
+           dict(score_mod=lambda s, b, h, q_idx, kv_idx: (s - s.mean()).int())]  # the same, run vmapped (a mean)
     for impl in mt.IMPLS:
         for kw in bad:  # dropout draws from the generator: only once every argument is accepted
             state = torch.get_rng_state()
-            with pytest.raises(ValueError):
+            with pytest.raises((ValueError, TypeError)):
                 mt.attention(q, q, q, dropout_p=0.5, impl=impl, **kw)
             assert torch.equal(state, torch.get_rng_state()), (impl, kw)
         for scale in (float("nan"), math.inf, -math.inf):  # SDPA gives NaN
