@@ -1231,12 +1231,12 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
             mods.update(mask_mod=_Mod(block_mask.mask_mod, "mask_mod", *call),
                         plan=_block_plan(block_mask, k.size(-2)))
     seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
-    if mods:
+    if mods or not torch.compiler.is_compiling():  # compiled: the operators, one call each (plumbing)
         nats = score_mod is not None and mods["score_mod"].bias is None  # what a score_mod (no bias) reads
         opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens,
                              alibi_slopes, shift, base=1.0 if nats else LOG2E, **mods)
         inputs = [*getattr(mods.get("score_mod"), "inputs", ()), *getattr(mods.get("mask_mod"), "inputs", ())]
-        out, m, log2_l = _ModdedAttention.apply(q, k, v, attn_mask, opts, cq, *inputs)
+        out, m, log2_l = _ChunkedAttention.apply(q, k, v, attn_mask, opts, cq, *inputs)
     else:
         out, m, log2_l = _chunked_fwd(q, k, v, attn_mask, seed, cu_seqlens, alibi_slopes, dropout_p,
                                       is_causal, scale, window_size, cq, ck, shift)  # m, log2(l): backward's
@@ -1355,9 +1355,9 @@ def hf_block_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
     return create_block_mask(mask_mod, batch_size, None, q_length, kv_length, device, blocks)
 
 
-# The plumbing of the chunked path: the forward and the backward as custom operators, so that torch.compile
-# sees one call and never unrolls the block loops (with the mods, Python functions, an autograd.Function whose
-# loops it unrolls); what the block updates share; the mods; the products' precision; dropout's hash.
+# The plumbing of the chunked path: an autograd.Function for eager calls and for mods (Python functions), and
+# under torch.compile two custom operators, one call each that it never unrolls (an operator's first eager
+# call imports torch's compiler: 2 s); what the block updates share; the mods; precision; dropout's hash.
 
 
 @dataclass
@@ -1455,8 +1455,8 @@ def _chunked_grad(ctx, dout, _dm, dlog2_l):
 _chunked_fwd.register_autograd(_chunked_grad, setup_context=_chunked_save)
 
 
-class _ModdedAttention(torch.autograd.Function):
-    """chunked_forward and chunked_backward with a user's mods, which no custom operator can take: the
+class _ChunkedAttention(torch.autograd.Function):
+    """chunked_forward and chunked_backward as an autograd.Function, for eager calls and a user's mods: the
     gradients of q, k, v, of a float attn_mask, and of `inputs`, the tensors score_mod reads, then mask_mod
     (_Mod)."""
 

@@ -473,9 +473,9 @@ def _worker(conn, device, budget_bytes, rank, world, store, linux_memory):
     if budget_bytes and device == "cuda":  # the caching allocator's cap for this process
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total))
-    elif budget_bytes:  # what takes address space when first used (some 300 MiB: thread pools, malloc's
-        with _AllocPeak():  # arenas, the profiler, torch's compiler, which chunked's operators import) takes
-            x = torch.randn(2048, 2048, requires_grad=True)  # it here, once, so that no point's budget pays
+    elif budget_bytes:  # what takes address space when first used (some 290 MiB: thread pools, malloc's
+        with _AllocPeak():  # arenas, the profiler) takes it here, once, so that no point's budget pays
+            x = torch.randn(2048, 2048, requires_grad=True)
             (x @ x).sum().backward()
             mt.chunked_attention(*[x[None, None, :8, :8]] * 3).sum().backward()
     while (spec := conn.recv()) is not None:
