@@ -133,9 +133,10 @@ class _CpuPeak:
 
 @contextlib.contextmanager
 def _profiled(**kwargs):
-    """torch.profiler on the CPU. Its start and stop each log a line to file descriptor 2 (Kineto, below
-    Python), which would drown the study's own output: those two go to the null device."""
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], **kwargs)
+    """The profiler on the CPU: torch.profiler.profile's own, without the wrapper, whose start imports torch's
+    compiler (2 s). Its start and stop each log a line to file descriptor 2 (Kineto, below Python), which would
+    drown the study's own output: those two go to the null device."""
+    prof = torch.autograd.profiler.profile(use_cpu=True, use_kineto=True, **kwargs)
 
     def quietly(call, *args):
         sys.stderr.flush()
@@ -167,7 +168,7 @@ class _AllocPeak:
 
     def __exit__(self, *exc):
         self.profiling.__exit__(*exc)
-        events = sorted((e.start_ns(), e.nbytes()) for e in self.prof.profiler.kineto_results.events()
+        events = sorted((e.start_ns(), e.nbytes()) for e in self.prof.kineto_results.events()
                         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
         held = low = peak = 0
         for _, nbytes in events:  # frees come as negative sizes
