@@ -1063,7 +1063,7 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 
 # -----------------------------------------------------------------------------
 # chunked: blockwise_attention with every convention above, FlashAttention-2's precision recipe for 16-bit
-# inputs, dropout that the backward regenerates, hidden blocks skipped, and one custom operator for compile.
+# inputs, dropout that the backward regenerates, hidden blocks skipped, and custom operators for compile.
 #
 # As in the core, each block of query rows visits the key blocks (cols) it sees, keeping per query m, l and o,
 # and out = o / l at the end. Beside m, l and o a few (cq, ck) blocks of scores are alive (cost_model.py
@@ -1212,7 +1212,7 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     bottom-right with causal_lower_right), window_size or cu_seqlens' documents hide are skipped; ALiBi's bias
     made block by block; with enable_gqa K, V and their gradients keep H_kv heads, never repeated. Gradients
     flow to q, k, v and a float attn_mask that requires grad; dropout's seed is drawn from the device's
-    generator once the arguments pass (a traced mod's result too, on a few keys). return_lse: also lse = log
+    generator once the arguments pass (with dropout, a traced mod's result too). return_lse: also lse = log
     sum_j exp(S_ij), (B, H, Lq), float32 or wider, -inf where a query sees no key, differentiable: attention
     over disjoint sets of keys merges exactly by it (strided attention, the ring). score_mod and a BlockMask
     as attn_mask: flex_attention's; score_mod sees q.k * scale, and ALiBi and a float attn_mask come after."""
@@ -1231,7 +1231,7 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
             mods.update(mask_mod=_Mod(block_mask.mask_mod, "mask_mod", *call),
                         plan=_block_plan(block_mask, k.size(-2)))
     seed = torch.randint(0, 2**31, (), dtype=torch.int32, device=q.device) if dropout_p > 0.0 else None
-    if mods or not torch.compiler.is_compiling():  # compiled: the operators, one call each (plumbing)
+    if mods or not torch.compiler.is_compiling():  # eager, or mods: the autograd.Function (plumbing)
         nats = score_mod is not None and mods["score_mod"].bias is None  # what a score_mod (no bias) reads
         opts = block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens,
                              alibi_slopes, shift, base=1.0 if nats else LOG2E, **mods)
@@ -1355,9 +1355,9 @@ def hf_block_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
     return create_block_mask(mask_mod, batch_size, None, q_length, kv_length, device, blocks)
 
 
-# The plumbing of the chunked path: an autograd.Function for eager calls and for mods (Python functions), and
-# under torch.compile two custom operators, one call each that it never unrolls (an operator's first eager
-# call imports torch's compiler: 2 s); what the block updates share; the mods; precision; dropout's hash.
+# The plumbing of the chunked path: an autograd.Function for eager calls (an operator's first call imports
+# torch's compiler: 2 s) and for mods, Python functions; custom operators for other compiled calls, one call
+# each. Then what the block updates share, the mods, the products' precision, dropout's hash.
 
 
 @dataclass
@@ -1456,9 +1456,10 @@ _chunked_fwd.register_autograd(_chunked_grad, setup_context=_chunked_save)
 
 
 class _ChunkedAttention(torch.autograd.Function):
-    """chunked_forward and chunked_backward as an autograd.Function, for eager calls and a user's mods: the
-    gradients of q, k, v, of a float attn_mask, and of `inputs`, the tensors score_mod reads, then mask_mod
-    (_Mod)."""
+    """chunked_forward and chunked_backward for eager calls and a user's mods: the gradients of q, k, v, of a
+    float attn_mask, and of `inputs`, the tensors score_mod and then mask_mod read (_Mod). opts is the
+    forward's, kept unsaved: the backward reads its rules and dropout's hashes as the forward did.
+    create_graph=True is refused here (by the operators, at the next backward); torch.func cannot run it."""
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, opts, cq, *inputs):
@@ -1472,7 +1473,7 @@ class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dm, dlog2_l):
         if torch.is_grad_enabled():  # create_graph=True: this backward has no backward of its own
-            raise RuntimeError("flex_attention's backward cannot be differentiated (create_graph=True)")
+            raise RuntimeError("chunked_attention's backward cannot be differentiated (create_graph=True)")
         q, k, v, out, m, log2_l, _, *inputs = ctx.saved_tensors  # the mask: the same as opts.vis's
         # score_mod reads stand-ins of the tensors that need a gradient: theirs adds up over the blocks
         wants = ctx.needs_input_grad[6:]
@@ -1502,7 +1503,7 @@ class _Mod:
     indexed by all the indices at once); else vmapped, as torch runs it. A score_mod score + f(b, h, q_idx,
     kv_idx) (ALiBi, a relative table) is run as its bias f (bias, sign). shape: (B, H, Lq, Lk) of the call."""
 
-    def __init__(self, mod, name, shape, device, dtype, grad=False, dropout=False):
+    def __init__(self, mod, name, shape, device, dtype, grad=False, dropout=False):  # dropout_p > 0
         if isinstance(mod, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):  # as torch's flex_attention
             raise ValueError(f"{name}: a TorchScript function, which cannot be traced: pass it as Python")
         self.name, self.score, self.fn, self.inputs, self.in_place = name, name == "score_mod", mod, (), True
@@ -1539,9 +1540,8 @@ class _Mod:
             raise ValueError("under torch.compile, score_mod may read no tensor that requires grad: finding "
                              "it takes torch.fx, which runs outside the compiled graph (compile around the "
                              "attention: torch.compiler.disable)")
-        elementwise = gm is not None and _elementwise(gm)
-        probe = elementwise or (gm is not None and dropout)  # its vmapped call refuses before the seed
-        self.broadcast = probe and self._broadcasts(shape, dtype) and elementwise
+        probed = gm is not None and 0 not in shape and (dropout or _elementwise(gm))  # Lq or Lk 0: no blocks
+        self.broadcast = probed and self._broadcasts(shape, dtype) and _elementwise(gm)
         self.bias, self.sign = _additive(gm) if self.score and self.broadcast else (None, 0)
 
     def __call__(self, s, rows, cols, inputs, broadcast=None):
@@ -1573,8 +1573,8 @@ class _Mod:
 
     def _broadcasts(self, shape, dtype):
         """Whether a broadcast call, as a vmapped one, returns a value per (b, h, q_idx, kv_idx), on 4 queries
-        and 5 keys at most (a table read whole, s + table, broadcasts where vmap gives one per element). The
-        vmapped call runs first: what the blocks would raise comes before dropout's seed is drawn."""
+        and 5 keys at most (a table read whole, s + table, broadcasts where vmap gives one per element); the
+        vmapped call first, raising what the blocks would, before dropout's seed is drawn."""
         rows, cols = slice(0, min(shape[2], 4)), slice(0, min(shape[3], 5))
         s = self.b.new_zeros(*shape[:2], rows.stop, cols.stop, dtype=torch.promote_types(dtype, torch.float))
         with warnings.catch_warnings():  # vmap's (masked_fill has no batching rule): again where it runs
@@ -2035,7 +2035,7 @@ def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size
     if torch.is_tensor(scale) and scale.requires_grad:  # float() would drop its gradient silently
         raise TypeError("scale must be a number, not a tensor that requires grad (SDPA refuses it too)")
     scale = (1.0 / math.sqrt(D) if D else 1.0) if scale is None else float(scale)  # SDPA's; D = 0: scores 0
-    if not abs(scale) < math.inf:  # compile's SymFloat (a scale that varies) passes: it is taken finite
+    if not abs(scale) < math.inf:  # under compile a symbolic scale (naive's, once it varies) passes inf
         raise ValueError(f"scale must be a finite number, got {scale}")
     attn_mask = None if attn_mask is None else _check_mask(attn_mask, q, (B, H, Lq, Lk))
     return q, k, v, attn_mask, is_causal, shift, scale

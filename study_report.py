@@ -259,6 +259,11 @@ def table(header, rows):
         "| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
+def _wider(x):
+    """A spread wider than NOISY, with the decimals that show it wider: 1.2504x, not 1.25x."""
+    return next((f"{x:.{d}f}x" for d in range(2, 8) if float(f"{x:.{d}f}") > NOISY), f"{x!r}x")
+
+
 def noise_report(rows):
     """The spread of the repeats: which points were measured twice (a default run's wide ones), which --quick
     only marked (it measures no point twice), and which stayed noisy."""
@@ -271,8 +276,7 @@ def noise_report(rows):
     twice = [r for r in ok if "measured twice" in r.get("noise", "")]
     failed = sum("second run failed" in r["noise"] for r in twice)
     marked = [r for r in ok if r.get("noise", "").endswith("(--quick)")]
-    wide = lambda x: f"{x:.2f}x" if f"{x:.2f}" != f"{NOISY:.2f}" else f"{x:.3f}x"  # noqa: E731 (1.252x, not 1.25x)
-    noisy = [f"{r['series']} {r['mode']} n={r['n']} ({wide(spread(r))})" for r in ok
+    noisy = [f"{r['series']} {r['mode']} n={r['n']} ({_wider(spread(r))})" for r in ok
              if r.get("noise", "").startswith("noisy")]
     said = ["Spread: each point's slowest repeat over its fastest (time: their median), for the "
             f"{len(spread_known)} of {len(ok)} points timed more than once."]
