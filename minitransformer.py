@@ -1212,10 +1212,10 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     bottom-right with causal_lower_right), window_size or cu_seqlens' documents hide are skipped; ALiBi's bias
     made block by block; with enable_gqa K, V and their gradients keep H_kv heads, never repeated. Gradients
     flow to q, k, v and a float attn_mask that requires grad; dropout's seed is drawn from the device's
-    generator once the arguments pass (with dropout, a traced mod's result too). return_lse: also lse = log
-    sum_j exp(S_ij), (B, H, Lq), float32 or wider, -inf where a query sees no key, differentiable: attention
-    over disjoint sets of keys merges exactly by it (strided attention, the ring). score_mod and a BlockMask
-    as attn_mask: flex_attention's; score_mod sees q.k * scale, and ALiBi and a float attn_mask come after."""
+    generator once the arguments pass (and a traced mod's result). return_lse: also lse = log sum_j exp(S_ij),
+    (B, H, Lq), float32 or wider, -inf where a query sees no key, differentiable: attention over disjoint sets
+    of keys merges exactly by it (strided attention, the ring). score_mod and a BlockMask as attn_mask:
+    flex_attention's; score_mod sees q.k * scale, then ALiBi and a float attn_mask are added."""
     block_mask, attn_mask = (attn_mask, None) if isinstance(attn_mask, BlockMask) else (None, attn_mask)
     q, k, v, attn_mask, is_causal, shift, scale = _attention_args(
         q, k, v, attn_mask, dropout_p, is_causal, scale, window_size, cu_seqlens, enable_gqa)
@@ -1355,9 +1355,9 @@ def hf_block_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
     return create_block_mask(mask_mod, batch_size, None, q_length, kv_length, device, blocks)
 
 
-# The plumbing of the chunked path: an autograd.Function for eager calls (an operator's first call imports
-# torch's compiler: 2 s) and for mods, Python functions; custom operators for other compiled calls, one call
-# each. Then what the block updates share, the mods, the products' precision, dropout's hash.
+# The plumbing of the chunked path: eager calls and calls with mods (Python functions) go through an
+# autograd.Function; other compiled calls through two custom operators, opaque nodes compile never unrolls
+# (eager calls avoid them: an operator's first call imports torch's compiler, 2 s); then the blocks' options.
 
 
 @dataclass
@@ -1457,9 +1457,9 @@ _chunked_fwd.register_autograd(_chunked_grad, setup_context=_chunked_save)
 
 class _ChunkedAttention(torch.autograd.Function):
     """chunked_forward and chunked_backward for eager calls and a user's mods: the gradients of q, k, v, of a
-    float attn_mask, and of `inputs`, the tensors score_mod and then mask_mod read (_Mod). opts is the
-    forward's, kept unsaved: the backward reads its rules and dropout's hashes as the forward did.
-    create_graph=True is refused here (by the operators, at the next backward); torch.func cannot run it."""
+    float attn_mask, and of `inputs`, the tensors score_mod and then mask_mod read (_Mod). opts stays on ctx,
+    unsaved: the backward reads its rules and dropout's hashes as the forward did. create_graph=True is
+    refused here (compiled, one backward later); torch.func cannot run it."""
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, opts, cq, *inputs):
@@ -1540,7 +1540,7 @@ class _Mod:
             raise ValueError("under torch.compile, score_mod may read no tensor that requires grad: finding "
                              "it takes torch.fx, which runs outside the compiled graph (compile around the "
                              "attention: torch.compiler.disable)")
-        probed = gm is not None and 0 not in shape and (dropout or _elementwise(gm))  # Lq or Lk 0: no blocks
+        probed = gm is not None and 0 not in shape and (dropout or _elementwise(gm))  # no element: no block
         self.broadcast = probed and self._broadcasts(shape, dtype) and _elementwise(gm)
         self.bias, self.sign = _additive(gm) if self.score and self.broadcast else (None, 0)
 
@@ -1574,7 +1574,7 @@ class _Mod:
     def _broadcasts(self, shape, dtype):
         """Whether a broadcast call, as a vmapped one, returns a value per (b, h, q_idx, kv_idx), on 4 queries
         and 5 keys at most (a table read whole, s + table, broadcasts where vmap gives one per element); the
-        vmapped call first, raising what the blocks would, before dropout's seed is drawn."""
+        vmapped call first, raising what blocks would raise on these keys, before dropout's seed is drawn."""
         rows, cols = slice(0, min(shape[2], 4)), slice(0, min(shape[3], 5))
         s = self.b.new_zeros(*shape[:2], rows.stop, cols.stop, dtype=torch.promote_types(dtype, torch.float))
         with warnings.catch_warnings():  # vmap's (masked_fill has no batching rule): again where it runs
@@ -2035,7 +2035,7 @@ def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size
     if torch.is_tensor(scale) and scale.requires_grad:  # float() would drop its gradient silently
         raise TypeError("scale must be a number, not a tensor that requires grad (SDPA refuses it too)")
     scale = (1.0 / math.sqrt(D) if D else 1.0) if scale is None else float(scale)  # SDPA's; D = 0: scores 0
-    if not abs(scale) < math.inf:  # under compile a symbolic scale (naive's, once it varies) passes inf
+    if not abs(scale) < math.inf:  # compiled, a symbolic scale (naive's, once it varied) lets +-inf by
         raise ValueError(f"scale must be a finite number, got {scale}")
     attn_mask = None if attn_mask is None else _check_mask(attn_mask, q, (B, H, Lq, Lk))
     return q, k, v, attn_mask, is_causal, shift, scale

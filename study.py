@@ -482,8 +482,9 @@ def _worker(conn, device, budget_bytes, rank, world, store, linux_memory):
             mt.chunked_attention(*[x[None, None, :8, :8]] * 3).sum().backward()
     while (spec := conn.recv()) is not None:
         try:
-            if spec.get("path") in ("ring", "torch-flex", "torch-flex-compiled"):  # they import torch's compiler
-                importlib.import_module("torch._dynamo")  # (70 MiB of address space): here, not in the budget
+            paths = {spec.get("path"), *(s["path"] for s in spec.get("series_list", ()))}  # --compare's: a list
+            if paths & {"ring", "torch-flex", "torch-flex-compiled"}:  # they import torch's compiler (70 MiB of
+                importlib.import_module("torch._dynamo")  # address space): here, outside the point's budget
             if budget_bytes and device == "cpu" and LINUX_MEMORY:
                 _cap_address_space(budget_bytes)
             measure = {"matmul": measure_matmul, "compare": measure_compare,
