@@ -1224,7 +1224,7 @@ def chunked_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     if score_mod is not None or block_mask is not None:  # Python functions: no custom operator takes them
         cq, ck = (cq, ck) if block_mask is None else _check_block_mask(block_mask, q, k)
         grad = any(t is not None and t.requires_grad for t in (q, k, v, attn_mask))  # the backward's mods
-        call = ((*q.shape[:-1], k.size(-2)), q.device, q.dtype, grad, dropout_p > 0.0)  # shape, ...: _Mod's
+        call = ((*q.shape[:-1], k.size(-2)), q.device, q.dtype, grad, dropout_p > 0.0)  # _Mod's other args
         if score_mod is not None:
             mods.update(score_mod=_Mod(score_mod, "score_mod", *call))
         if block_mask is not None:
@@ -1357,7 +1357,7 @@ def hf_block_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
 
 # The plumbing of the chunked path: eager calls and calls with mods (Python functions) go through an
 # autograd.Function; other compiled calls through two custom operators, opaque nodes compile never unrolls
-# (eager calls avoid them: an operator's first call imports torch's compiler, 2 s); then the blocks' options.
+# (eager calls avoid them: an operator's first call imports torch's compiler, 2 s); then what blocks share.
 
 
 @dataclass
