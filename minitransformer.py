@@ -479,8 +479,7 @@ class EncoderLayer(nn.Module):
         act = layer.activation  # the function or module it was given ("relu", "gelu": F.relu, F.gelu)
         relu = act is F.relu or type(act) is nn.ReLU
         if not (relu or act is F.gelu or (type(act) is nn.GELU and act.approximate == "none")):
-            raise ValueError(f"from_torch supports nn.TransformerEncoderLayer with relu or exact gelu, got "
-                             f"{act}")
+            raise ValueError(f"from_torch supports layers with relu or exact gelu, got {act}")
         _check_batch_first(layer.self_attn, "nn.TransformerEncoderLayer", cls.__name__)
         sa = layer.self_attn
         with warnings.catch_warnings():
@@ -565,8 +564,7 @@ class Encoder(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):  # std 1/sqrt(d): times sqrt(d) in _embed, tokens have unit
-            # scale, as the sinusoidal and learned positions they are added to
+        elif isinstance(module, nn.Embedding):  # std 1/sqrt(d), times sqrt(d) in _embed: the positions' scale
             nn.init.normal_(module.weight, std=module.embedding_dim ** -0.5 if module is self.embed else 1.0)
 
     def num_params(self):
@@ -1054,8 +1052,7 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     with _no_autocast(q):  # the inputs' dtype decides, as in any function
         scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Lq, Lk)
         weights = torch.softmax(_apply_mask(scores, mask), dim=-1).to(v.dtype)
-        if dead is not None:
-            weights = weights.masked_fill(dead, 0.0)
+        weights = weights if dead is None else weights.masked_fill(dead, 0.0)
         if dropout_p > 0.0:
             weights = F.dropout(weights, dropout_p)  # kept weights scaled by 1/(1-p): same expectation
         return weights @ v, weights
@@ -1097,7 +1094,7 @@ def attend_block(q, k, v, rows, o, m, l, opts):
     for cols in opts.vis.key_blocks(rows, k.size(-2), opts.ck):
         s = _scores(q_i, k_all, rows, cols, opts, scratch=scratch, H=q.size(1))  # (B, H, cq, ck)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-        p = s.sub_(m_new).exp2_()  # P_j, in place: no second block-sized buffer
+        p = _exp2(s.sub_(m_new), opts.flush)  # P_j, in place: no second block-sized buffer
         alpha = m.sub_(m_new).exp2_()  # in m's place, which takes m' once o is rescaled
         l.mul_(alpha).add_(p.sum(-1, keepdim=True))
         if opts.dropout_p > 0.0:
@@ -1105,6 +1102,14 @@ def attend_block(q, k, v, rows, o, m, l, opts):
         o.mul_(alpha)
         _matmul(_per_kv_head(p.to(v.dtype), k), v_all[:, cols], out=o_i, add=True)  # P in the inputs' dtype
         m.copy_(m_new)
+
+
+def _exp2(x, flush):
+    """exp2(x) in place; with flush, 0 below finfo.tiny (2^-126 in float32) as a GPU's ex2.approx.ftz: a bias
+    (ALiBi's) makes such subnormal weights, ~100x slower in a CPU's products, far below a row's rounding."""
+    if flush:  # x <= log2(tiny): -inf (NaN stays NaN)
+        F.threshold_(x, math.log2(torch.finfo(x.dtype).tiny), -math.inf)
+    return x.exp2_()
 
 
 def chunked_forward(q, k, v, opts, cq):
@@ -1155,7 +1160,7 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
     scratch = [m.new_empty(q_i.size(0) * q_i.size(1) * min(opts.ck, k.size(-2))) for _ in range(2)]
     for cols in opts.vis.key_blocks(rows, k.size(-2), opts.ck):
         s, pullback = _scores(q_i, k_all, rows, cols, opts, scratch=scratch[0], backward=True, H=q.size(1))
-        p = s.sub_(m).sub_(log2_l).exp2_()  # P_j (B, H, cq, ck)
+        p = _exp2(s.sub_(m).sub_(log2_l), opts.flush)  # P_j (B, H, cq, ck)
         dp = _matmul(dout_i, v_all[:, cols].transpose(1, 2), out=scratch[1]).view(p.shape)  # (B, H, cq, ck)
         p_dropped = p
         if opts.dropout_p > 0.0:  # the forward's mask
@@ -1371,6 +1376,7 @@ class BlockOptions:
     col_hash: Optional[torch.Tensor] = None  # and of the key columns j, (Lk,)
     dlse: Optional[torch.Tensor] = None  # the backward's: the gradient of return_lse's lse, (B, H, Lq, 1)
     base: float = LOG2E  # scores in base 2 as they are made; with a user's mods in nats until they have run
+    flush: bool = False  # a bias spreads the scores: weights below the normal range made 0 (_exp2)
 
 
 def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_size, ck, cu_seqlens=None,
@@ -1382,7 +1388,9 @@ def block_options(q, k, attn_mask, seed, dropout_p, is_causal, scale, window_siz
     inputs = getattr(mods.get("score_mod"), "inputs", ())
     vis = Visibility(rules, shift, attn_mask=attn_mask, score_inputs=inputs, **mods)
     hashes = _dropout_hashes(seed, *q.shape[:3], k.size(-2)) if dropout_p > 0.0 else (None, None)
-    return BlockOptions(scale, ck, vis, dropout_p, *hashes, base=base)
+    float_mask = attn_mask is not None and attn_mask.is_floating_point()
+    flush = float_mask or slopes is not None or "score_mod" in mods  # a bias: _exp2 flushes
+    return BlockOptions(scale, ck, vis, dropout_p, *hashes, base=base, flush=flush)
 
 
 # The operators' namespace is the module's own name: a copy imported under another name registers operators
@@ -1666,13 +1674,9 @@ class _ReadsAsInputs(torch.fx.Tracer):
 
 def _traced(mod, score):
     """(the mod as a graph module taking its tensor reads as arguments after the indices, those tensors)."""
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return mod(score, b, h, q_idx, kv_idx)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return mod(b, h, q_idx, kv_idx)
-    tracer = _ReadsAsInputs()
-    graph = tracer.trace(score_mod if score else mask_mod)
+    tracer = _ReadsAsInputs()  # the graph's inputs named as flex's arguments
+    graph = tracer.trace((lambda score, b, h, q_idx, kv_idx: mod(score, b, h, q_idx, kv_idx)) if score
+                         else (lambda b, h, q_idx, kv_idx: mod(b, h, q_idx, kv_idx)))
     with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
         reads = [graph.placeholder(f"read{n}") for n in range(len(tracer.reads))]
     for node in [n for n in graph.nodes if n.op == "get_attr"]:
@@ -2014,8 +2018,7 @@ def _attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, window_size
     _check_window(window_size)
     if cu_seqlens is not None:
         if Lq != Lk:
-            raise ValueError(f"cu_seqlens packs documents for self-attention: Lq must equal Lk, got {Lq} "
-                             f"and {Lk}")
+            raise ValueError(f"cu_seqlens is for self-attention: Lq must equal Lk, got {Lq} and {Lk}")
         _check_cu_seqlens(cu_seqlens, Lq)
     shift = 0
     if _is_causal_bias(attn_mask):  # SDPA's causality as a mask
@@ -2059,8 +2062,7 @@ def _check_mha_call(mha, x, attn_mask, is_causal, need_weights, positions, cu_se
     if cu_seqlens is not None and callable(mha.impl):  # the paths check it; a function as impl may not
         _check_cu_seqlens(cu_seqlens, x.size(1))
     if cache is not None:
-        if (not is_causal) or (cu_seqlens is not None) or _is_causal_bias(attn_mask) or (
-                len(x) != len(cache.k)):
+        if not is_causal or cu_seqlens is not None or _is_causal_bias(attn_mask) or len(x) != len(cache.k):
             raise ValueError(f"a KV cache serves a causal decoder (is_causal=True), its rows x's, no "
                              f"cu_seqlens or CausalBias; got is_causal={is_causal}, rows "
                              f"{len(x)}/{len(cache.k)}, cu_seqlens={cu_seqlens is not None}, "
@@ -2095,8 +2097,7 @@ def _check_caches(enc, idx, cache, positions):
         return
     if positions is not None:
         raise ValueError("positions= with a KV cache: the caches place each row's tokens (KVCache)")
-    distinct, rows = len({id(c) for c in cache}), {len(c.k) for c in cache}
-    max_len = {c.k.size(2) for c in cache}
+    distinct, (rows, max_len) = len(set(map(id, cache))), [{c.k.size(d) for c in cache} for d in (0, 2)]
     if len(cache) != len(enc.layers) or distinct != len(cache) or rows != {len(idx)} or len(max_len) != 1:
         raise ValueError(f"cache holds {len(cache)} KVCaches, {distinct} of them distinct, of {rows} rows "
                          f"and max_len {max_len}, for {len(enc.layers)} layers and {len(idx)} rows of idx: "
@@ -2241,9 +2242,8 @@ def _check_batch_first(attn, torch_name, our_name):
     """from_torch converts weights, not layouts: a (T, B, C) module would silently disagree with ours."""
     if not attn.batch_first:
         raise ValueError(f"from_torch needs batch_first=True: this {torch_name} has batch_first=False and "
-                         f"takes (T, B, C), while {our_name} takes (B, T, C), so the same tensor would give "
-                         "different outputs. Build it with batch_first=True (its weights do not depend on "
-                         "the flag), or transpose your inputs and set batch_first = True before converting.")
+                         f"takes (T, B, C), {our_name} (B, T, C): one tensor would give different outputs. "
+                         "Build it with batch_first=True (its weights do not depend on it), or transpose.")
 
 
 if __name__ == "__main__":  # training, which lives in train.py beside this file (--help: its options)

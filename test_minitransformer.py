@@ -1577,6 +1577,38 @@ def test_chunked_alibi_saves_no_quadratic_tensor():
     assert max(sizes) <= 2 * L * 16
 
 
+
+@pytest.mark.parametrize("how", ["alibi", "float mask", "score_mod"])
+def test_chunked_flushes_weights_below_the_normal_range(how):
+    # a bias that spreads a row's scores over more than float32's normal exponents (ALiBi at long range) makes
+    # subnormal weights, which a CPU multiplies about a hundred times slower: the P that meets V in the forward
+    # and dO in the backward holds none (0 instead, as FlashAttention's ex2.approx.ftz gives on a GPU), and
+    # the result is still the oracle's. Slope 0.5: keys 175-207 apart get weights 2^-149 .. 2^-126
+    L, D, Dv, slopes = 512, 16, 8, torch.tensor([0.5, 0.25])
+    q, k, v = (t.float().requires_grad_() for t in make_qkv(1, 2, L, L, D, Dv=Dv))
+    bias = -slopes[:, None, None] * (torch.arange(L)[:, None] - torch.arange(L)).abs()  # (H, L, L)
+    kw = {"alibi": dict(alibi_slopes=slopes), "float mask": dict(attn_mask=bias),
+          "score_mod": dict(score_mod=lambda s, b, h, i, j: s - slopes[h] * (i - j).abs())}[how]
+    tiny = torch.finfo(torch.float32).tiny
+
+    class Weights(TorchDispatchMode):  # P: baddbmm_'s second operand (P V), bmm's (N, ck, cq) before dO
+        subnormal = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            op, p = func.overloadpacket, None
+            if op is torch.ops.aten.baddbmm_ or (op is torch.ops.aten.bmm and args[1].size(-1) == Dv):
+                p = args[1] if op is torch.ops.aten.baddbmm_ else args[0]
+            if p is not None:
+                self.subnormal.append(int(((p != 0) & (p.abs() < tiny)).sum()))
+            return func(*args, **(kwargs or {}))
+    with Weights() as mode:
+        out = mt.chunked_attention(q, k, v, chunk_size=64, **kw)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert len(mode.subnormal) == 2 * 8 * 8 and not any(mode.subnormal), mode.subnormal  # 64 blocks, fwd and bwd
+    ref = reference(q, k, v, bias=bias.double())
+    assert torch.allclose(out, ref.float(), atol=1e-5)
+    assert torch.allclose(dv, torch.autograd.grad(ref, v, torch.ones_like(ref))[0].float(), atol=1e-4)
+
 # ----------------------------------------------------------------------------- decoders: CausalBias, GQA, KV cache
 # SDPA's CausalBias objects as attn_mask, bottom-right alignment for causality, the window and ALiBi, grouped-query
 # attention and the KV cache: against SDPA's math kernel in float64 with the masks, biases and repeated K/V the
