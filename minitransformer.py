@@ -564,7 +564,7 @@ class Encoder(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):  # std 1/sqrt(d), times sqrt(d) in _embed: the positions' scale
+        elif isinstance(module, nn.Embedding):  # tokens 1/sqrt(d), x sqrt(d) in _embed: unit, as positions
             nn.init.normal_(module.weight, std=module.embedding_dim ** -0.5 if module is self.embed else 1.0)
 
     def num_params(self):
@@ -1062,12 +1062,11 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 # chunked: blockwise_attention with every convention above, FlashAttention-2's precision recipe for 16-bit
 # inputs, dropout that the backward regenerates, hidden blocks skipped, and custom operators for compile.
 #
-# As in the core, each block of query rows visits the key blocks (cols) it sees, keeping per query m, l and o,
-# and out = o / l at the end. Beside m, l and o a few (cq, ck) blocks of scores are alive (cost_model.py
-# counts them): one buffer that every S_j and P_j is made in, reused from j to j (a CPU pays a new block in
-# page faults), a second for dP_j in the backward, and 16-bit copies, dropout's hashes (and a copy of P_j in
-# the backward) and a score_mod's results. Scores are kept in base 2, exp(x) = exp2(x * log2(e)), as
-# FlashAttention does on a GPU, where exp2 is the native instruction; log2(e) scales the product that makes S.
+# As in the core, each block of query rows visits the key blocks (cols) it sees, keeping m, l, o per query,
+# out = o / l at the end. A few (cq, ck) blocks of scores are alive beside them (cost_model.py counts them):
+# one buffer for every S_j and P_j, reused from j to j (a new block costs a CPU page faults), one for dP_j in
+# the backward, 16-bit copies, dropout's hashes, a score_mod's results. Scores are in base 2, exp(x) = exp2(x
+# log2 e), as FlashAttention's on a GPU, where exp2 is the native instruction.
 
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 
@@ -1076,7 +1075,7 @@ def attend_block(q, k, v, rows, o, m, l, opts):
     """The forward's block update: queries `rows` against every key block j they see.
 
         S_j = Q K_j^T * scale * log2(e) + M_j * log2(e)      (M_j: its mask and biases, Visibility.scores)
-        m' = max(m, rowmax(S_j)),   P_j = exp2(S_j - m'),   alpha = exp2(m - m'),
+        m' = max(m, rowmax(S_j)),   P_j = exp2(S_j - m'),   alpha = exp2(m - m'),   (_exp2)
         l' = alpha * l + rowsum(P_j),   o' = alpha * o + (Z_j * P_j) V_j
 
     Z_j is dropout's keep-mask (all ones without dropout); l counts the dropped weights too, so
@@ -1095,7 +1094,7 @@ def attend_block(q, k, v, rows, o, m, l, opts):
         s = _scores(q_i, k_all, rows, cols, opts, scratch=scratch, H=q.size(1))  # (B, H, cq, ck)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         p = _exp2(s.sub_(m_new), opts.flush)  # P_j, in place: no second block-sized buffer
-        alpha = m.sub_(m_new).exp2_()  # in m's place, which takes m' once o is rescaled
+        alpha = _exp2(m.sub_(m_new), opts.flush)  # in m's place, which takes m' once o is rescaled
         l.mul_(alpha).add_(p.sum(-1, keepdim=True))
         if opts.dropout_p > 0.0:
             _drop(p, _keep_bits(opts.row_hash[:, :, rows], opts.col_hash[cols], opts.dropout_p))
@@ -1105,8 +1104,9 @@ def attend_block(q, k, v, rows, o, m, l, opts):
 
 
 def _exp2(x, flush):
-    """exp2(x) in place; with flush, 0 below finfo.tiny (2^-126 in float32) as a GPU's ex2.approx.ftz: a bias
-    (ALiBi's) makes such subnormal weights, ~100x slower in a CPU's products, far below a row's rounding."""
+    """exp2(x) in place; with flush, results at or below the smallest normal float (finfo.tiny, 2^-126 in
+    float32) become 0, as on a GPU (ex2.approx.ftz): subnormals slow a CPU's products up to 100x, and beside a
+    row's largest weight, 1, change no sum. A bias (ALiBi's) makes many; the backward zeroes a few more."""
     if flush:  # x <= log2(tiny): -inf (NaN stays NaN)
         F.threshold_(x, math.log2(torch.finfo(x.dtype).tiny), -math.inf)
     return x.exp2_()
@@ -1144,8 +1144,7 @@ def attend_block_backward(dout, q, k, v, out, m, log2_l, rows, dq, dk, dv, dmask
     dq, dk, dv (float32) are added to in place, dq and dk without the scale and dv without 1 / (1 - p) (both
     applied once, at the end), and dmask, a float mask's gradient, when it is not None. The loop runs in the
     forward's order, query blocks outside, adding into dK and dV across them. FlashAttention-2's Algorithm 2
-    loops the other way, key blocks outside, so that dK_j and dV_j stay on chip and dQ is added to in memory.
-    """
+    loops the other way, key blocks outside, so that dK_j and dV_j stay on chip and dQ goes to memory."""
     if q.size(0) * q.size(1) == 0:  # an empty batch, or no heads: no gradient to add
         return
     dout_i = dout[:, :, rows]  # (B, H, cq, Dv)
@@ -2097,7 +2096,8 @@ def _check_caches(enc, idx, cache, positions):
         return
     if positions is not None:
         raise ValueError("positions= with a KV cache: the caches place each row's tokens (KVCache)")
-    distinct, (rows, max_len) = len(set(map(id, cache))), [{c.k.size(d) for c in cache} for d in (0, 2)]
+    distinct, rows = len({id(c) for c in cache}), {len(c.k) for c in cache}
+    max_len = {c.k.size(2) for c in cache}
     if len(cache) != len(enc.layers) or distinct != len(cache) or rows != {len(idx)} or len(max_len) != 1:
         raise ValueError(f"cache holds {len(cache)} KVCaches, {distinct} of them distinct, of {rows} rows "
                          f"and max_len {max_len}, for {len(enc.layers)} layers and {len(idx)} rows of idx: "
@@ -2242,8 +2242,8 @@ def _check_batch_first(attn, torch_name, our_name):
     """from_torch converts weights, not layouts: a (T, B, C) module would silently disagree with ours."""
     if not attn.batch_first:
         raise ValueError(f"from_torch needs batch_first=True: this {torch_name} has batch_first=False and "
-                         f"takes (T, B, C), {our_name} (B, T, C): one tensor would give different outputs. "
-                         "Build it with batch_first=True (its weights do not depend on it), or transpose.")
+                         f"takes (T, B, C), {our_name} (B, T, C). Build it with batch_first=True (its "
+                         "weights do not depend on it), or transpose your inputs and set batch_first = True.")
 
 
 if __name__ == "__main__":  # training, which lives in train.py beside this file (--help: its options)

@@ -1577,8 +1577,7 @@ def test_chunked_alibi_saves_no_quadratic_tensor():
     assert max(sizes) <= 2 * L * 16
 
 
-
-@pytest.mark.parametrize("how", ["alibi", "float mask", "score_mod"])
+@pytest.mark.parametrize("how", ["alibi", "float mask", "score_mod", "score_mod, not a bias"])
 def test_chunked_flushes_weights_below_the_normal_range(how):
     # a bias that spreads a row's scores over more than float32's normal exponents (ALiBi at long range) makes
     # subnormal weights, which a CPU multiplies about a hundred times slower: the P that meets V in the forward
@@ -1588,7 +1587,9 @@ def test_chunked_flushes_weights_below_the_normal_range(how):
     q, k, v = (t.float().requires_grad_() for t in make_qkv(1, 2, L, L, D, Dv=Dv))
     bias = -slopes[:, None, None] * (torch.arange(L)[:, None] - torch.arange(L)).abs()  # (H, L, L)
     kw = {"alibi": dict(alibi_slopes=slopes), "float mask": dict(attn_mask=bias),
-          "score_mod": dict(score_mod=lambda s, b, h, i, j: s - slopes[h] * (i - j).abs())}[how]
+          "score_mod": dict(score_mod=lambda s, b, h, i, j: s - slopes[h] * (i - j).abs()),
+          "score_mod, not a bias": dict(score_mod=lambda s, b, h, i, j: torch.where(  # its nats route
+              i >= 0, s - slopes[h] * (i - j).abs(), s))}[how]
     tiny = torch.finfo(torch.float32).tiny
 
     class Weights(TorchDispatchMode):  # P: baddbmm_'s second operand (P V), bmm's (N, ck, cq) before dO
@@ -1608,6 +1609,7 @@ def test_chunked_flushes_weights_below_the_normal_range(how):
     ref = reference(q, k, v, bias=bias.double())
     assert torch.allclose(out, ref.float(), atol=1e-5)
     assert torch.allclose(dv, torch.autograd.grad(ref, v, torch.ones_like(ref))[0].float(), atol=1e-4)
+
 
 # ----------------------------------------------------------------------------- decoders: CausalBias, GQA, KV cache
 # SDPA's CausalBias objects as attn_mask, bottom-right alignment for causality, the window and ALiBi, grouped-query
