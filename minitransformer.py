@@ -1065,8 +1065,8 @@ def naive_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 # As in the core, each block of query rows visits the key blocks (cols) it sees, keeping m, l, o per query,
 # out = o / l at the end. A few (cq, ck) blocks of scores are alive beside them (cost_model.py counts them):
 # one buffer for every S_j and P_j, reused from j to j (a new block costs a CPU page faults), one for dP_j in
-# the backward, 16-bit copies, dropout's hashes, a score_mod's results. Scores are in base 2, exp(x) = exp2(x
-# log2 e), as FlashAttention's on a GPU, where exp2 is the native instruction.
+# the backward, 16-bit copies, dropout's hashes, a score_mod's results. Scores are in base 2,
+# exp(x) = exp2(x log2 e), as FlashAttention's on a GPU, where exp2 is the native instruction.
 
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 
