@@ -57,12 +57,12 @@ from torch.nn.attention import SDPBackend
 from torch.nn.attention.flex_attention import AuxOutput, BlockMask
 
 # core begins
-# Attention in its plainest correct form, forward and backward, as torch's F.scaled_dot_product_attention
-# (SDPA), in float32/64: q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv), or any
-# leading dimensions, alike in q, k, v (D: d_k). H_kv = H as in the paper; in 4-D it may be a divisor of H
-# (GQA: query head h reads K/V head h // (H // H_kv)). A bool attn_mask, True where a query may attend,
-# broadcasts to (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk)); is_causal: query i sees keys j <= i, both counted
-# from 0 (a KV cache's new queries need attn_mask j <= i + Lk - Lq instead). A query that sees no key gets 0.
+# Attention, softmax(Q K^T / sqrt(D)) V, in its plainest correct form, forward and backward, float32/64.
+# Shapes as torch's F.scaled_dot_product_attention (SDPA): q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv,
+# Lk, Dv) -> (B, H, Lq, Dv), or any leading dimensions alike in q, k, v (D: d_k). H_kv = H as in the paper,
+# or in 4-D a divisor of H (GQA: query head h reads K/V head h // (H // H_kv)). A bool attn_mask, True where
+# a query may attend, broadcasts to (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk)); is_causal: query i sees keys
+# j <= i, from 0 (a KV cache's new queries need j <= i + Lk - Lq). A query that sees no key gets 0.
 
 
 def standard_attention(q, k, v, attn_mask=None, is_causal=False):
@@ -112,8 +112,8 @@ class BlockwiseAttention(torch.autograd.Function):
             for cols in _blocks(min(Lk, rows.stop) if is_causal else Lk, block_size):  # causal: j < rows.stop
                 s = _block_scores(q, k, attn_mask, is_causal, rows, cols)  # (B, H, rows, cols)
                 m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-                m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # no key seen yet: exp(-inf), no NaN
-                p = torch.exp(s - m_safe)  # P~
+                m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # m', or 0 in a row with no key yet:
+                p = torch.exp(s - m_safe)  # P~; there exp(-inf - 0) = 0, where S - m' = -inf + inf is NaN
                 a = torch.exp(m - m_safe)  # rescales what was summed under the old max
                 l = a * l + p.sum(-1, keepdim=True)
                 o = a * o + p @ v[..., cols, :]
@@ -200,23 +200,23 @@ POS_ENCODINGS = ("sinusoidal", "learned", "rope", "alibi")
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, impl="flash",
               window_size=None, cu_seqlens=None, alibi_slopes=None, chunk_size=None, enable_gqa=False,
               score_mod=None):
-    """softmax(Q K^T * scale + M) V, equal to the core where both apply, through impl: one of IMPLS (the
-    appendix's paths: "naive", the formula with its (Lq, Lk) scores; "chunked", the core's blockwise algorithm
-    in O(L) memory; "flash", PyTorch's fused kernels, which run that algorithm inside one kernel, or outside
-    torch.compile warn where SDPA falls back to its unfused math kernel), or a function with their arguments,
-    each variant's keyword passed only when set (ring_attention.ring_impl, the approximate strategies, the
-    core: README). M: 0 where a query sees a key and -inf where not, plus a float mask and ALiBi's bias.
+    """softmax(Q K^T * scale + M) V; M: 0 where a query sees a key, else -inf, plus a float mask and ALiBi.
+
+    impl picks the path, each equal to the core where both apply: "naive", the formula, holding all (Lq, Lk)
+    scores; "chunked", the core's blockwise algorithm, in O(L) memory; "flash", PyTorch's fused kernels (SDPA,
+    the same algorithm in one kernel), warning (outside torch.compile) where SDPA would fall back to its
+    unfused math kernel; or a function of yours with these arguments, each variant's keyword passed only when
+    set (the core, wrapped as the README shows; ring_attention.ring_impl; the approximate strategies).
 
     q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv). attn_mask: bool, True where a
-    query may attend, or float, added to the scores, broadcast to (B, H, Lq, Lk); is_causal: query i sees keys
-    j <= i. scale: default 1 / sqrt(D); dropout_p: on the weights, in training. window_size=w: query i sees
-    keys with |i - j| <= w; cu_seqlens: offsets [0, l1, l1 + l2, ..., L] of packed documents, a query seeing
-    its own document's keys only; alibi_slopes (H,): ALiBi's bias -slope_h * |i - j|; enable_gqa: k, v with
-    H_kv heads; chunk_size: the chunked path's blocks. The conventions every path keeps (float masks,
-    causality top-left or bottom-right, dtypes, compile): the comment "Appendix: the hardened paths".
-    FlexAttention's mods, a user's own variant (score_mod(score, b, h, q_idx, kv_idx) -> the new score; a
-    BlockMask as attn_mask: the appendix's flex_attention), run on the chunked path, whichever path impl
-    names; not with a function as impl."""
+    query may attend, or float, added to the scores; broadcast to (B, H, Lq, Lk). is_causal: query i sees
+    keys j <= i. scale: 1 / sqrt(D) by default. dropout_p: on the weights, in training. window_size=w: query
+    i sees the keys with |i - j| <= w. cu_seqlens: offsets [0, l1, l1 + l2, ..., L] of packed documents, each
+    query seeing its own document's keys. alibi_slopes (H,): ALiBi's bias, -slope_h * |i - j|. enable_gqa:
+    k, v with H_kv heads. chunk_size: the chunked path's blocks. score_mod(score, b, h, q_idx, kv_idx) -> the
+    new score, and a BlockMask as attn_mask: FlexAttention's, a variant of yours (flex_attention), run
+    on the chunked path always, not with a function as impl. What every path keeps alike (float masks,
+    causality top-left or bottom-right, dtypes, compile): the comment "Appendix: the hardened paths"."""
     given = dict(window_size=window_size, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes)
     kw = {name: x for name, x in given.items() if x is not None}  # unset: not passed (the core takes none)
     kw |= {"enable_gqa": True} if enable_gqa else {}
@@ -246,8 +246,8 @@ class MultiHeadAttention(nn.Module):
     2 * n_kv_heads * hs (hs = C / n_heads, the tutorials' d_k), its weight laid out as
     nn.MultiheadAttention's in_proj_weight (with n_kv_heads = n_heads): q's rows, k's, then v's. n_kv_heads
     below n_heads: grouped-query attention (1: multi-query), a KV cache n_heads / n_kv_heads times smaller,
-    query head h reading K/V head h // (n_heads // n_kv_heads), as Llama's repeat_kv (x-transformers' h %
-    n_kv_heads loads here with its query heads reordered).
+    query head h reading K/V head h // (n_heads // n_kv_heads), as Llama's repeat_kv (a model that pairs
+    them as h % n_kv_heads, as x-transformers does, loads here once its query heads are reordered).
     impl: one of IMPLS, or an attention function (see attention()). rope: an optional RotaryEmbedding for q
     and k of every head; alibi: ALiBi's bias in every head (alibi_slopes, float32 whatever the module's);
     score_mod: FlexAttention's (flex_attention), a function, a module or a module's method: that module's
@@ -1653,8 +1653,7 @@ def _additive(gm):
 
 class _ReadsAsInputs(torch.fx.Tracer):
     """torch.fx's tracer, through modules too, recording as `reads` every tensor a mod uses that is not made
-    from its arguments; each becomes a get_attr node "read<n>" (n: its index in reads), which _traced makes
-    an input."""
+    from its arguments; each becomes a get_attr node "read<n>" (n: its index in reads), an input (_traced)."""
 
     def __init__(self):
         super().__init__(autowrap_modules=(), autowrap_functions=())
