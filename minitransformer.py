@@ -57,12 +57,12 @@ from torch.nn.attention import SDPBackend
 from torch.nn.attention.flex_attention import AuxOutput, BlockMask
 
 # core begins
-# Attention, softmax(Q K^T / sqrt(D)) V, in its plainest correct form, forward and backward, float32/64.
-# Shapes as torch's F.scaled_dot_product_attention (SDPA): q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv,
-# Lk, Dv) -> (B, H, Lq, Dv), or any leading dimensions alike in q, k, v (D: d_k). H_kv = H as in the paper,
-# or in 4-D a divisor of H (GQA: query head h reads K/V head h // (H // H_kv)). A bool attn_mask, True where
-# a query may attend, broadcasts to (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk)); is_causal: query i sees keys
-# j <= i, from 0 (a KV cache's new queries need j <= i + Lk - Lq). A query that sees no key gets 0.
+# Attention, softmax(Q K^T / sqrt(D)) V, in its plainest correct form, forward and backward, float32/64, as
+# F.scaled_dot_product_attention: q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv),
+# or any leading dimensions alike in q, k, v (in k, v size 1 broadcasts). H_kv = H as in the paper, or in 4-D
+# a divisor of H (grouped-query attention: query head h reads K/V head h // (H // H_kv)). A bool attn_mask,
+# True where a query may attend, broadcasts to (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk)); with is_causal
+# query i sees keys j <= i, both counted from 0 (a KV cache's new queries need attn_mask j <= i + Lk - Lq).
 
 
 def standard_attention(q, k, v, attn_mask=None, is_causal=False):
@@ -112,9 +112,9 @@ class BlockwiseAttention(torch.autograd.Function):
             for cols in _blocks(min(Lk, rows.stop) if is_causal else Lk, block_size):  # causal: j < rows.stop
                 s = _block_scores(q, k, attn_mask, is_causal, rows, cols)  # (B, H, rows, cols)
                 m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-                m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # m', or 0 in a row with no key yet:
-                p = torch.exp(s - m_safe)  # P~; there exp(-inf - 0) = 0, where S - m' = -inf + inf is NaN
-                a = torch.exp(m - m_safe)  # rescales what was summed under the old max
+                m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # m', but 0 in a row with no key yet:
+                p = torch.exp(s - m_safe)  # P~ (exp(-inf - 0) = 0, where S - m' = -inf + inf would be NaN)
+                a = torch.exp(m - m_safe)  # rescales what was summed under the old max (0 there, not NaN)
                 l = a * l + p.sum(-1, keepdim=True)
                 o = a * o + p @ v[..., cols, :]
                 m = m_new
@@ -129,7 +129,7 @@ class BlockwiseAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, attn_mask = ctx.saved_tensors
         size, scale = ctx.block_size, 1.0 / math.sqrt(q.size(-1))
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq, dk, dv = torch.zeros_like(q), *(q.new_zeros(*q.shape[:-2], *t.shape[-2:]) for t in (k, v))
         delta = (dout * out).sum(-1, keepdim=True)  # Delta_i = sum_j P_ij dP_ij (all keys j) = dO_i . O_i
         for cols in _blocks(k.size(-2), size):  # keys outside, as in Algorithm 2: dK_j, dV_j summed in place
             first = cols.start // size if ctx.is_causal else 0  # causal: the first query block to reach cols
@@ -141,7 +141,7 @@ class BlockwiseAttention(torch.autograd.Function):
                 ds = p * (dp - delta[..., rows, :])  # softmax's Jacobian (diag(P) - P P^T) times dP
                 dq[..., rows, :] += ds @ k[..., cols, :] * scale
                 dk[..., cols, :] += ds.transpose(-2, -1) @ q[..., rows, :] * scale
-        return dq, dk, dv, None, None, None
+        return dq, dk.sum_to_size(k.shape), dv.sum_to_size(v.shape), None, None, None  # K/V broadcast: summed
 
 
 def blockwise_attention(q, k, v, attn_mask=None, is_causal=False, block_size=64):
@@ -202,21 +202,22 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
               score_mod=None):
     """softmax(Q K^T * scale + M) V; M: 0 where a query sees a key, else -inf, plus a float mask and ALiBi.
 
-    impl picks the path, each equal to the core where both apply: "naive", the formula, holding all (Lq, Lk)
-    scores; "chunked", the core's blockwise algorithm, in O(L) memory; "flash", PyTorch's fused kernels (SDPA,
-    the same algorithm in one kernel), warning (outside torch.compile) where SDPA would fall back to its
-    unfused math kernel; or a function of yours with these arguments, each variant's keyword passed only when
-    set (the core, wrapped as the README shows; ring_attention.ring_impl; the approximate strategies).
+    impl picks the path, each tested equal to the core: "naive", the formula, holding all (Lq, Lk) scores;
+    "chunked", the core's blockwise algorithm, in O(L) memory; "flash", PyTorch's fused kernels (SDPA, the
+    same algorithm in one kernel), warning where SDPA would fall back to its unfused math kernel (on CPU or
+    CUDA, outside torch.compile); or a function of yours, called with q, k, v, attn_mask, dropout_p,
+    is_causal, scale and, where set, window_size, cu_seqlens, alibi_slopes, enable_gqa (the core, as the
+    README wraps it; ring_attention.ring_impl(); approximate_attention's).
 
     q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv). attn_mask: bool, True where a
-    query may attend, or float, added to the scores; broadcast to (B, H, Lq, Lk). is_causal: query i sees
-    keys j <= i. scale: 1 / sqrt(D) by default. dropout_p: on the weights, in training. window_size=w: query
-    i sees the keys with |i - j| <= w. cu_seqlens: offsets [0, l1, l1 + l2, ..., L] of packed documents, each
-    query seeing its own document's keys. alibi_slopes (H,): ALiBi's bias, -slope_h * |i - j|. enable_gqa:
-    k, v with H_kv heads. chunk_size: the chunked path's blocks. score_mod(score, b, h, q_idx, kv_idx) -> the
-    new score, and a BlockMask as attn_mask: FlexAttention's, a variant of yours (flex_attention), run
-    on the chunked path always, not with a function as impl. What every path keeps alike (float masks,
-    causality top-left or bottom-right, dtypes, compile): the comment "Appendix: the hardened paths"."""
+    query may attend, or float, added to the scores; broadcast to (B, H, Lq, Lk). is_causal: query i sees keys
+    j <= i. scale: 1 / sqrt(D) by default. dropout_p: on the weights, in training. window_size=w: query i sees
+    the keys with |i - j| <= w. cu_seqlens: offsets [0, l1, l1 + l2, ..., L] of packed documents, each query
+    seeing its own document's keys. alibi_slopes (H,): ALiBi's bias, -slope_h * |i - j|. enable_gqa: k, v with
+    H_kv heads. chunk_size: the chunked path's blocks. score_mod(score, b, h, q_idx, kv_idx) -> the new score,
+    or a BlockMask as attn_mask (FlexAttention's way to write a variant of your own: flex_attention) runs on
+    the chunked path whatever impl names, and not with a function as impl. What every path keeps alike (float
+    masks, causality top-left or bottom-right, dtypes, compile): "Appendix: the hardened paths"."""
     given = dict(window_size=window_size, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes)
     kw = {name: x for name, x in given.items() if x is not None}  # unset: not passed (the core takes none)
     kw |= {"enable_gqa": True} if enable_gqa else {}
@@ -242,12 +243,12 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
 class MultiHeadAttention(nn.Module):
     """MultiHead(X) = Concat(head_1, ..., head_h) W^O,  head_i = Attention(X W_i^Q, X W_i^K, X W_i^V).
 
-    x: (B, T, C) with C = d_model, batch first. The three input projections are one linear layer, C -> C +
-    2 * n_kv_heads * hs (hs = C / n_heads, the tutorials' d_k), its weight laid out as
-    nn.MultiheadAttention's in_proj_weight (with n_kv_heads = n_heads): q's rows, k's, then v's. n_kv_heads
-    below n_heads: grouped-query attention (1: multi-query), a KV cache n_heads / n_kv_heads times smaller,
-    query head h reading K/V head h // (n_heads // n_kv_heads), as Llama's repeat_kv (a model that pairs
-    them as h % n_kv_heads, as x-transformers does, loads here once its query heads are reordered).
+    x: (B, T, C) with C = d_model, batch first. The three input projections are one linear layer, C -> C + 2 *
+    n_kv_heads * hs (hs = C / n_heads, the tutorials' d_k), its weight laid out as nn.MultiheadAttention's
+    in_proj_weight (with n_kv_heads = n_heads): q's rows, k's, then v's. n_kv_heads below n_heads:
+    grouped-query attention (1: multi-query), a KV cache n_heads / n_kv_heads times smaller, query head h
+    reading K/V head h // (n_heads // n_kv_heads), as Llama's repeat_kv (x-transformers reads K/V head h %
+    n_kv_heads: its models load once q's rows and W^O's columns are reordered by head, but for ALiBi).
     impl: one of IMPLS, or an attention function (see attention()). rope: an optional RotaryEmbedding for q
     and k of every head; alibi: ALiBi's bias in every head (alibi_slopes, float32 whatever the module's);
     score_mod: FlexAttention's (flex_attention), a function, a module or a module's method: that module's
