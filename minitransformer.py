@@ -57,12 +57,12 @@ from torch.nn.attention import SDPBackend
 from torch.nn.attention.flex_attention import AuxOutput, BlockMask
 
 # core begins
-# Attention, softmax(Q K^T / sqrt(D)) V, in its plainest correct form, forward and backward, float32/64, as
-# F.scaled_dot_product_attention: q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv),
-# or any leading dimensions alike in q, k, v (in k, v size 1 broadcasts). H_kv = H as in the paper, or in 4-D
-# a divisor of H (grouped-query attention: query head h reads K/V head h // (H // H_kv)). A bool attn_mask,
-# True where a query may attend, broadcasts to (B, H, Lq, Lk) (key padding: (B, 1, 1, Lk)); with is_causal
-# query i sees keys j <= i, both counted from 0 (a KV cache's new queries need attn_mask j <= i + Lk - Lq).
+# Attention, softmax(Q K^T / sqrt(D)) V, at its plainest, forward and backward, in float32/64. Shapes as in
+# F.scaled_dot_product_attention: q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv)
+# (D: d_k), or any leading dimensions alike in q, k, v (in k, v size 1 broadcasts). H_kv = H, or in 4-D a
+# divisor of H (grouped-query attention: query head h reads K/V head h // (H // H_kv)). A bool attn_mask, True
+# where a query may attend, broadcasts to (B, H, Lq, Lk); with is_causal, query i sees keys j <= i, both
+# counted from 0 (a KV cache's new queries need attn_mask j <= i + Lk - Lq). A query that sees no key gets 0.
 
 
 def standard_attention(q, k, v, attn_mask=None, is_causal=False):
@@ -113,7 +113,7 @@ class BlockwiseAttention(torch.autograd.Function):
                 s = _block_scores(q, k, attn_mask, is_causal, rows, cols)  # (B, H, rows, cols)
                 m_new = torch.maximum(m, s.amax(-1, keepdim=True))
                 m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # m', but 0 in a row with no key yet:
-                p = torch.exp(s - m_safe)  # P~ (exp(-inf - 0) = 0, where S - m' = -inf + inf would be NaN)
+                p = torch.exp(s - m_safe)  # P~ (exp(-inf - 0) = 0, whereas S - m' = -inf + inf is NaN)
                 a = torch.exp(m - m_safe)  # rescales what was summed under the old max (0 there, not NaN)
                 l = a * l + p.sum(-1, keepdim=True)
                 o = a * o + p @ v[..., cols, :]
@@ -202,12 +202,12 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
               score_mod=None):
     """softmax(Q K^T * scale + M) V; M: 0 where a query sees a key, else -inf, plus a float mask and ALiBi.
 
-    impl picks the path, each tested equal to the core: "naive", the formula, holding all (Lq, Lk) scores;
-    "chunked", the core's blockwise algorithm, in O(L) memory; "flash", PyTorch's fused kernels (SDPA, the
-    same algorithm in one kernel), warning where SDPA would fall back to its unfused math kernel (on CPU or
-    CUDA, outside torch.compile); or a function of yours, called with q, k, v, attn_mask, dropout_p,
-    is_causal, scale and, where set, window_size, cu_seqlens, alibi_slopes, enable_gqa (the core, as the
-    README wraps it; ring_attention.ring_impl(); approximate_attention's).
+    impl picks the path, each tested equal to the core where both apply: "naive", the formula, with all (Lq,
+    Lk) scores; "chunked", the core's blockwise algorithm, in O(L) memory; "flash", PyTorch's fused kernels
+    (SDPA), warning where SDPA would fall back to its unfused math kernel (on CPU or CUDA, outside
+    torch.compile). Or a function of yours, taking q, k, v, attn_mask, dropout_p, is_causal, scale by position
+    and those of window_size, cu_seqlens, alibi_slopes, enable_gqa that are set by keyword (as the README
+    wraps the core; ring_attention.ring_impl()).
 
     q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv). attn_mask: bool, True where a
     query may attend, or float, added to the scores; broadcast to (B, H, Lq, Lk). is_causal: query i sees keys
@@ -216,8 +216,8 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     seeing its own document's keys. alibi_slopes (H,): ALiBi's bias, -slope_h * |i - j|. enable_gqa: k, v with
     H_kv heads. chunk_size: the chunked path's blocks. score_mod(score, b, h, q_idx, kv_idx) -> the new score,
     or a BlockMask as attn_mask (FlexAttention's way to write a variant of your own: flex_attention) runs on
-    the chunked path whatever impl names, and not with a function as impl. What every path keeps alike (float
-    masks, causality top-left or bottom-right, dtypes, compile): "Appendix: the hardened paths"."""
+    the chunked path whatever impl names (a function as impl raises ValueError). The conventions all paths
+    keep (float masks, causality's alignment, dtypes, compile): the comment "Appendix: the hardened paths"."""
     given = dict(window_size=window_size, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes)
     kw = {name: x for name, x in given.items() if x is not None}  # unset: not passed (the core takes none)
     kw |= {"enable_gqa": True} if enable_gqa else {}
@@ -248,7 +248,7 @@ class MultiHeadAttention(nn.Module):
     in_proj_weight (with n_kv_heads = n_heads): q's rows, k's, then v's. n_kv_heads below n_heads:
     grouped-query attention (1: multi-query), a KV cache n_heads / n_kv_heads times smaller, query head h
     reading K/V head h // (n_heads // n_kv_heads), as Llama's repeat_kv (x-transformers reads K/V head h %
-    n_kv_heads: its models load once q's rows and W^O's columns are reordered by head, but for ALiBi).
+    n_kv_heads: its models load once q's rows and W^O's columns are reordered by head, except with ALiBi).
     impl: one of IMPLS, or an attention function (see attention()). rope: an optional RotaryEmbedding for q
     and k of every head; alibi: ALiBi's bias in every head (alibi_slopes, float32 whatever the module's);
     score_mod: FlexAttention's (flex_attention), a function, a module or a module's method: that module's

@@ -286,16 +286,20 @@ def test_core_takes_any_leading_dimensions(core):
     want = CORE[core](q, k, v, attn_mask=keep)
     torch.testing.assert_close(CORE[core](q[:, 0], k[:, 0], v[:, 0], attn_mask=keep), want[:, 0], atol=1e-15, rtol=0)
     torch.testing.assert_close(CORE[core](q[0, 0], k[0, 0], v[0, 0], attn_mask=keep), want[0, 0], atol=1e-15, rtol=0)
-    # K, V with dimensions of size 1 broadcast over q's, as in SDPA: (1, 1, L, D) for each row; their gradients
-    # summed over the rows they serve
-    q = torch.randn(2, 3, 37, 16, dtype=torch.float64, requires_grad=True)
-    k, v = (t[:1, :1].clone().requires_grad_() for t in (k, v))
-    want = F.scaled_dot_product_attention(q, k.expand(2, 3, -1, -1), v.expand(2, 3, -1, -1), is_causal=True)
-    got = CORE[core](q, k, v, is_causal=True)
-    torch.testing.assert_close(got, want, atol=1e-14, rtol=0)
-    dout = torch.randn_like(want)
-    for ours, sdpa in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
-        torch.testing.assert_close(ours, sdpa, atol=1e-13, rtol=0)
+    # K, V with dimensions of size 1 broadcast over q's, as in SDPA: (1, 1, L, D) for each row, (1, H, L, D) for
+    # every batch row, or grouped heads (1, 1) of a batch of 1 beside a padding mask; their gradients summed over
+    # the rows they serve
+    q = torch.randn(2, 4, 37, 16, dtype=torch.float64, requires_grad=True)
+    pad = torch.arange(29) < torch.tensor([[29], [20]])  # (B, Lk): the second row's last 9 keys are padding
+    for kv_shape, mask in (((1, 1), None), ((1, 4), None), ((1, 2), pad[:, None, None])):
+        k, v = (torch.randn(*kv_shape, 29, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
+        big = [t.repeat_interleave(4 // kv_shape[1], dim=1).expand(2, 4, -1, -1) for t in (k, v)]
+        want = F.scaled_dot_product_attention(q, *big, attn_mask=mask, is_causal=mask is None)
+        got = CORE[core](q, k, v, attn_mask=mask, is_causal=mask is None)
+        torch.testing.assert_close(got, want, atol=1e-14, rtol=0)
+        dout = torch.randn_like(want)
+        for ours, sdpa in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+            torch.testing.assert_close(ours, sdpa, atol=1e-13, rtol=0)
 
 
 @pytest.mark.parametrize("core", CORE)
