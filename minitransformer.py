@@ -898,10 +898,10 @@ class Visibility:
             s = (torch.addcmul(s, *f, value=mod.sign * LOG2E, out=s) if isinstance(f, tuple)  # f never made
                  else s.add_(f.detach(), alpha=mod.sign * LOG2E))
             pullback = self._bias_pullback(f) if learned else None
-        elif mod is not None:  # in nats, then base 2 in a new tensor: the mod's result may be a view
-            s, pullback = self._pullback(s, rows, cols) if backward else (
-                mod(s, rows, cols, self.score_inputs), None)
-            s = s * LOG2E
+        elif mod is not None:  # in nats, then base 2: the forward writes it into S's buffer, the backward a
+            out, pullback = self._pullback(s, rows, cols) if backward else (  # new tensor (autograd may have
+                mod(s, rows, cols, self.score_inputs), None)  # saved S); out may view a read: not written to
+            s = out * LOG2E if backward else torch.mul(out, LOG2E, out=s)
         ij, m, keep = None, self._attn_mask(rows, cols), self.keep(rows, cols, s.device)
         for rule in self.rules:
             if rule.score is not None:
