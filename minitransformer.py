@@ -252,7 +252,7 @@ class MultiHeadAttention(nn.Module):
     impl: one of IMPLS, or an attention function (see attention()). rope: an optional RotaryEmbedding for q
     and k of every head; alibi: ALiBi's bias in every head (alibi_slopes, float32 whatever the module's);
     score_mod: FlexAttention's (flex_attention), a function, a module or a module's method: that module's
-    parameters are then this one's (a learned bias is trained, moved and saved with the model)."""
+    parameters become this one's (a learned bias is trained, moved and saved with the model)."""
 
     def __init__(self, d_model, n_heads, dropout=0.0, bias=True, impl="flash", *, chunk_size=None,
                  window_size=None, rope=None, alibi=False, n_kv_heads=None, score_mod=None):
@@ -552,8 +552,8 @@ class Encoder(nn.Module):
                          alibi=c.pos_encoding == "alibi", n_kv_heads=c.n_kv_heads, score_mod=score_mod)
             for _ in range(c.n_layers))
         self.norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps) if c.norm_first else nn.Identity()
-        user = getattr(score_mod, "__self__", score_mod)  # a score_mod that is a module, or a method of one,
-        theirs = set(user.modules()) if isinstance(user, nn.Module) else set()  # keeps its own weights
+        user = getattr(score_mod, "__self__", score_mod)  # a score_mod module, or a method's module:
+        theirs = set(user.modules()) if isinstance(user, nn.Module) else set()  # its weights keep their init
         for module in (m for m in self.modules() if m not in theirs):
             self._init_weights(module)
         for layer in self.layers:  # residual projections: variance of the sum grows with depth (GPT-2)
