@@ -898,10 +898,10 @@ class Visibility:
             s = (torch.addcmul(s, *f, value=mod.sign * LOG2E, out=s) if isinstance(f, tuple)  # f never made
                  else s.add_(f.detach(), alpha=mod.sign * LOG2E))
             pullback = self._bias_pullback(f) if learned else None
-        elif mod is not None:  # in nats, then base 2: the forward writes it into S's buffer, the backward a
-            out, pullback = self._pullback(s, rows, cols) if backward else (  # new tensor (autograd may have
-                mod(s, rows, cols, self.score_inputs), None)  # saved S); out may view a read: not written to
-            s = out * LOG2E if backward else torch.mul(out, LOG2E, out=s)
+        elif mod is not None:  # in nats, then base 2: into S's buffer in the forward, but from an expanded
+            out, pullback = self._pullback(s, rows, cols) if backward else (  # view (it may overlap S);
+                mod(s, rows, cols, self.score_inputs), None)  # in the backward a new one (autograd keeps S)
+            s = torch.mul(out, LOG2E, out=s) if out.is_contiguous() and not backward else out * LOG2E
         ij, m, keep = None, self._attn_mask(rows, cols), self.keep(rows, cols, s.device)
         for rule in self.rules:
             if rule.score is not None:
@@ -973,8 +973,8 @@ class Visibility:
         stand-ins into their .grad; under torch.compile, where the mod reads no tensor that requires grad
         (_Mod), torch.func.vjp."""
         mod = functools.partial(self.score_mod, rows=rows, cols=cols, inputs=self.score_inputs)
-        if torch.compiler.is_compiling():
-            out, vjp = torch.func.vjp(mod, s)
+        if torch.compiler.is_compiling():  # on a copy: the mod may edit its score in place, as eager's below
+            out, vjp = torch.func.vjp(lambda x: mod(x.clone()), s)
             return out, lambda ds: vjp(ds)[0]
         with torch.enable_grad():
             s = s.detach().requires_grad_()

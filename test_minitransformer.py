@@ -2653,6 +2653,26 @@ def test_flex_gradients_hold_under_dispatch_modes_in_place_mods_and_hidden_reads
         mt.flex_attention(q, k, v, indexed_out_of_sight)
 
 
+def test_flex_score_mods_that_return_their_score_or_a_read_over_many_blocks():
+    # the forward writes a score_mod's result (times log2 e) into the block's own scores: right where that result is
+    # the score itself (edited in place) or a table the mod reads, expanded over the block (left as it was); over
+    # 4 x 4 blocks, against the dense formula, forward and gradients (float64)
+    L = 64
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 2, L, L, 8, seed=21))
+    table = torch.randn(2, dtype=torch.float64)
+    kept, dout = table.clone(), torch.randn(2, 2, L, 8, dtype=torch.float64)
+    cases = [(lambda s, b, h, qi, ki: s.mul_(2), lambda s: s * 2),
+             (lambda s, b, h, qi, ki: torch.where(qi >= ki, s, -s).abs_(), lambda s: s.abs()),
+             (lambda s, b, h, qi, ki: table[h], lambda s: table[:, None, None] + 0 * s)]  # (1, H, 1, 1), expanded
+    for mod, dense_mod in cases:
+        want = dense_flex(q, k, v, dense_mod)
+        got = mt.chunked_attention(q, k, v, score_mod=mod, chunk_size=16)
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+        for ours, dense in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+            torch.testing.assert_close(ours, dense, atol=1e-12, rtol=0)
+    assert torch.equal(table, kept)
+
+
 def test_flex_takes_every_shape_torchs_takes():
     # k, v of batch 1 beside q of batch 2 and a BlockMask of batch 2 (a shared prefix, a cross-attention memory):
     # torch's eager flex_attention's output and lse at 1e-10 (float64), Lq != Lk, GQA; their gradients, summed
@@ -3103,6 +3123,11 @@ counter = CompileCounterWithBackend("aot_eager")
 out = torch.compile(layer, backend=counter, fullgraph=True)(x, is_causal=True)
 torch.testing.assert_close([out, torch.autograd.grad(out.sum(), x)[0]], eager, atol=1e-6, rtol=1e-6)
 assert counter.frame_count == 1
+layer.self_attn.score_mod = lambda s, b, h, i, j: s.mul_(0.5)  # edits its score in place, as torch's eager flex takes
+out = layer(x, is_causal=True)
+eager = [out, torch.autograd.grad(out.sum(), x)[0]]
+out = torch.compile(layer, backend="aot_eager", fullgraph=True)(x, is_causal=True)
+torch.testing.assert_close([out, torch.autograd.grad(out.sum(), x)[0]], eager, atol=1e-6, rtol=1e-6)
 refused = []
 block_mask = mt.create_block_mask(lambda b, h, i, j: i >= j, None, None, 256, 256, BLOCK_SIZE=128)
 for kw, mod in ((dict(attn_mask=block_mask), layer.self_attn.score_mod), (dict(is_causal=True), LearnedBias(2, 256).float().mod)):
