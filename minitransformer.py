@@ -565,7 +565,7 @@ class Encoder(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):  # tokens 1/sqrt(d), x sqrt(d) in _embed: unit, as positions
+        elif isinstance(module, nn.Embedding):  # std 1/sqrt(d); x sqrt(d) in _embed: unit scale, as positions
             nn.init.normal_(module.weight, std=module.embedding_dim ** -0.5 if module is self.embed else 1.0)
 
     def num_params(self):
