@@ -286,15 +286,16 @@ def test_core_takes_any_leading_dimensions(core):
     want = CORE[core](q, k, v, attn_mask=keep)
     torch.testing.assert_close(CORE[core](q[:, 0], k[:, 0], v[:, 0], attn_mask=keep), want[:, 0], atol=1e-15, rtol=0)
     torch.testing.assert_close(CORE[core](q[0, 0], k[0, 0], v[0, 0], attn_mask=keep), want[0, 0], atol=1e-15, rtol=0)
-    # K, V with dimensions of size 1 broadcast over q's, as in SDPA: (1, 1, L, D) for each row, (1, H, L, D) for
-    # every batch row, or grouped heads (1, 1) of a batch of 1 beside a padding mask; their gradients summed over
-    # the rows they serve
-    q = torch.randn(2, 4, 37, 16, dtype=torch.float64, requires_grad=True)
+    # dimensions of size 1 broadcast, as in SDPA: K, V (1, 1, L, D) for each row, (1, H, L, D) for every batch
+    # row, or grouped heads (1, 2) of a batch of 1 beside a padding mask; q (1, H, L, D) over K/V's batch, with
+    # K/V of every head or grouped; each gradient summed over the rows it serves
     pad = torch.arange(29) < torch.tensor([[29], [20]])  # (B, Lk): the second row's last 9 keys are padding
-    for kv_shape, mask in (((1, 1), None), ((1, 4), None), ((1, 2), pad[:, None, None])):
+    for q_batch, kv_shape, mask in ((2, (1, 1), None), (2, (1, 4), None), (2, (1, 2), pad[:, None, None]),
+                                    (1, (2, 4), None), (1, (2, 2), pad[:, None, None])):
+        q = torch.randn(q_batch, 4, 37, 16, dtype=torch.float64, requires_grad=True)
         k, v = (torch.randn(*kv_shape, 29, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
         big = [t.repeat_interleave(4 // kv_shape[1], dim=1).expand(2, 4, -1, -1) for t in (k, v)]
-        want = F.scaled_dot_product_attention(q, *big, attn_mask=mask, is_causal=mask is None)
+        want = F.scaled_dot_product_attention(q.expand(2, -1, -1, -1), *big, attn_mask=mask, is_causal=mask is None)
         got = CORE[core](q, k, v, attn_mask=mask, is_causal=mask is None)
         torch.testing.assert_close(got, want, atol=1e-14, rtol=0)
         dout = torch.randn_like(want)
@@ -316,7 +317,7 @@ def test_core_refuses_a_kv_of_another_rank(core):
     with pytest.raises(ValueError, match=r"heads that divide q's, and D >= 1 \(1 / sqrt\(D\)\): got q \(2, 4, 5, 8\), "
                                          r"k \(2, 3, 5, 8\)"):
         CORE[core](q, k[:, :3], v[:, :3])
-    with pytest.raises(RuntimeError, match="must match"):  # (B, L, D): a batch of 4 against one of 2, no heads
+    with pytest.raises(RuntimeError, match="broadcast"):  # (B, L, D): a batch of 4 against one of 2, no heads
         CORE[core](q[:, 0].repeat(2, 1, 1), k[:, 0], v[:, 0])
 
 
