@@ -10,9 +10,9 @@ minitransformer: a Transformer encoder in one file, read top-down like a short p
    tested equal to the core: the same maths with everything real use asks for (masks, windows, packed
    documents, ALiBi, a user's FlexAttention mods, dropout, 16-bit dtypes, torch.compile). naive: the
    textbook formula; chunked: the blockwise algorithm with FlashAttention-2's precision recipe; flash:
-   PyTorch's fused kernels, warning (or raising) before SDPA would fall back to its math kernel (outside
-   torch.compile). Every variant is a small rule over the positions of queries and keys, which the three
-   paths all read (Visibility). The input checks come last.
+   PyTorch's fused kernels, warning (or raising) before SDPA would fall back to its unfused math kernel
+   (outside torch.compile). Every variant is a small rule over the positions of queries and keys, which
+   the three paths all read through one class, Visibility. The input checks come last.
 ring_attention.py continues the chunked path across devices; approximate_attention.py holds the
 tutorials' approximate ways out; study.py measures what each path costs, and cost_model.py predicts it.
 
@@ -190,8 +190,9 @@ def _blocks(L, size):
 
 # -----------------------------------------------------------------------------
 # The model: multi-head attention, positional encodings, the encoder layer, the config and the encoder, then
-# a decoder's KV cache. Its attention goes through attention(), a path of the appendix (impl=) or a function
-# of yours; it also uses the appendix's documents, Visibility, naive_attention and the checks.
+# a decoder's KV cache. Attention goes through attention(): a path of the appendix (impl=) or your function.
+# The appendix also gives it documents() (packed documents' ids), Visibility (which keys each query sees),
+# naive_attention (for its weights) and the input checks.
 
 IMPLS = ("naive", "chunked", "flash")
 POS_ENCODINGS = ("sinusoidal", "learned", "rope", "alibi")
@@ -534,7 +535,7 @@ class Encoder(nn.Module):
     which act inside attention, it is dropout alone), then n_layers EncoderLayers, then a final LayerNorm
     for pre-LN (post-LN layers already end in one). score_mod: FlexAttention's, one for all layers
     (MultiHeadAttention). Called with is_causal=True it is a decoder-only model (GPT's, Llama's: no
-    cross-attention), which KVCaches serve token by token."""
+    cross-attention), which a KV cache per layer (KVCache, below) serves token by token."""
 
     def __init__(self, config, score_mod=None):
         super().__init__()
@@ -582,8 +583,7 @@ class Encoder(nn.Module):
     def forward(self, idx, attn_mask=None, is_causal=False, positions=None, cu_seqlens=None, cache=None):
         """positions: the (T,) positions of idx's tokens (default 0 .. T-1), as for a shard of a longer
         sequence (ring_attention.ShardedEncoder). cu_seqlens: documents packed in every row (documents()),
-        each encoded as if alone. cache: a KVCache per layer (kv_caches()), for a causal decoder (see
-        KVCache)."""
+        each encoded as if alone. cache: a KVCache per layer (kv_caches()), for a causal decoder."""
         _check_caches(self, idx, cache, positions)
         if (positions is None) and (cu_seqlens is not None) and (self.config.pos_encoding != "alibi"):
             _, positions = documents(cu_seqlens, idx.size(1), idx.device)  # (T,); ALiBi's |i - j| needs none
