@@ -69,7 +69,7 @@ def standard_attention(q, k, v, attn_mask=None, is_causal=False):
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(D) + M) V,  M = 0 where a query may see a key, else -inf.
 
     The scores exist whole: B * H * Lq * Lk numbers, the memory that blockwise_attention saves."""
-    q, k, v = _repeat_kv(q, k, v, attn_mask)  # inputs checked; (B, H, L, D): the K/V head of each query head
+    k, v = _repeat_kv(q, k, v, attn_mask)  # inputs checked; (B, H, Lk, D): the K/V head of each query head
     s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # S = Q K^T / sqrt(D), (B, H, Lq, Lk)
     if is_causal:  # query i sees the keys j <= i
         later = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)  # (Lq, Lk): j > i
@@ -129,7 +129,7 @@ class BlockwiseAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, attn_mask = ctx.saved_tensors
         size, scale = ctx.block_size, 1.0 / math.sqrt(q.size(-1))
-        dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+        dq, dk, dv = torch.zeros_like(q), *(q.new_zeros(*q.shape[:-2], *t.shape[-2:]) for t in (k, v))
         delta = (dout * out).sum(-1, keepdim=True)  # Delta_i = sum_j P_ij dP_ij (all keys j) = dO_i . O_i
         for cols in _blocks(k.size(-2), size):  # keys outside, as in Algorithm 2: dK_j, dV_j summed in place
             first = cols.start // size if ctx.is_causal else 0  # causal: the first query block to reach cols
@@ -141,14 +141,15 @@ class BlockwiseAttention(torch.autograd.Function):
                 ds = p * (dp - delta[..., rows, :])  # softmax's Jacobian (diag(P) - P P^T) times dP
                 dq[..., rows, :] += ds @ k[..., cols, :] * scale
                 dk[..., cols, :] += ds.transpose(-2, -1) @ q[..., rows, :] * scale
-        return dq, dk, dv, None, None, None
+        return dq, dk.sum_to_size(k.shape), dv.sum_to_size(v.shape), None, None, None  # K/V broadcast: summed
 
 
 def blockwise_attention(q, k, v, attn_mask=None, is_causal=False, block_size=64):
     """standard_attention's result by BlockwiseAttention, in blocks of block_size queries and keys."""
     if block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size}")
-    q, k, v = _repeat_kv(q, k, v, attn_mask)
+    k, v = _repeat_kv(q, k, v, attn_mask)
+    q = q.expand(*torch.broadcast_shapes(*(t.shape[:-2] for t in (q, k, v))), -1, -1)  # autograd sums dq
     keep = None if attn_mask is None else attn_mask.expand(*q.shape[:-1], k.size(-2))  # a (B, H, Lq, Lk) view
     return BlockwiseAttention.apply(q, k, v, keep, is_causal, block_size)
 
@@ -165,8 +166,9 @@ def _block_scores(q, k, keep, is_causal, rows, cols):
 
 
 def _repeat_kv(q, k, v, attn_mask):
-    """The core's inputs checked, then q, k, v with one leading shape: K/V repeated G = H / H_kv times on the
-    head axis of (B, H, L, D). Refused: 16 bits, autocast, a float mask, k or v of another ndim than q."""
+    """The core's inputs checked, then k and v with a head for every query head h: K/V head h // G (grouped-
+    query attention, G = H / H_kv, on the head axis of (B, H, L, D) only). Refused: 16 bits and autocast
+    (their sums are far off), a float attn_mask, k or v of another ndim than q (it would broadcast over B)."""
     autocast = torch.is_autocast_enabled(q.device.type)
     if q.dtype not in (torch.float32, torch.float64) or autocast:
         raise TypeError(f"the core computes in float32 or float64 outside autocast, got {q.dtype}"
@@ -177,9 +179,7 @@ def _repeat_kv(q, k, v, attn_mask):
         raise ValueError(f"k and v must have q's number of dimensions and heads that divide q's, and D >= 1 "
                          f"(1 / sqrt(D)): got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     G = q.size(1) // k.size(1) if q.dim() == 4 else 1
-    k, v = (k, v) if G == 1 else (k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1))
-    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    return (t.expand(*lead, *t.shape[-2:]) for t in (q, k, v))  # views: autograd sums a broadcast's grad
+    return (k, v) if G == 1 else (k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1))
 
 
 def _blocks(L, size):
@@ -191,8 +191,8 @@ def _blocks(L, size):
 # -----------------------------------------------------------------------------
 # The model: multi-head attention, positional encodings, the encoder layer, the config and the encoder, then
 # a decoder's KV cache. Attention goes through attention(): a path of the appendix (impl=) or your function.
-# The appendix also gives it documents() (packed documents' ids), Visibility (which keys each query sees),
-# naive_attention (for its weights) and the input checks.
+# The appendix also gives it documents() (positions within packed documents), Visibility (which keys each
+# query sees), naive_attention (for need_weights) and the input checks.
 
 IMPLS = ("naive", "chunked", "flash")
 POS_ENCODINGS = ("sinusoidal", "learned", "rope", "alibi")
