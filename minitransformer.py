@@ -103,8 +103,7 @@ class BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, is_causal, block_size):
         Lq, Lk = q.size(-2), k.size(-2)
-        out = q.new_empty(*q.shape[:-1], v.size(-1))  # (B, H, Lq, Dv)
-        lse = q.new_empty(*q.shape[:-1], 1)  # (B, H, Lq, 1)
+        out, lse = q.new_empty(*q.shape[:-1], v.size(-1)), q.new_empty(*q.shape[:-1], 1)  # (B, H, Lq, Dv | 1)
         for rows in _blocks(Lq, block_size):
             m = q.new_full((*q.shape[:-2], rows.stop - rows.start, 1), float("-inf"))  # (B, H, rows, 1)
             l = torch.zeros_like(m)
@@ -175,8 +174,9 @@ def _repeat_kv(q, k, v, attn_mask):
                         f"{' under autocast' * autocast}; 16 bits: chunked_attention (FlashAttention-2's)")
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         raise TypeError(f"attn_mask must be bool, True where a query may attend, got {attn_mask.dtype}")
-    if not (q.dim() == k.dim() == v.dim()) or (q.dim() == 4 and q.size(1) % k.size(1)) or q.size(-1) == 0:
-        raise ValueError(f"k and v must have q's number of dimensions and heads that divide q's, and D >= 1 "
+    if (q.dim() != k.dim() or k.shape[:-1] != v.shape[:-1]  # v longer than k: blockwise would read v[:Lk]
+            or (q.dim() == 4 and q.size(1) % k.size(1)) or q.size(-1) == 0):
+        raise ValueError(f"k and v must have one shape but Dv, q's ndim, heads dividing q's, and D >= 1 "
                          f"(1 / sqrt(D)): got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     G = q.size(1) // k.size(1) if q.dim() == 4 else 1
     return (k, v) if G == 1 else (k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1))

@@ -307,16 +307,18 @@ def test_core_takes_any_leading_dimensions(core):
 def test_core_refuses_a_kv_of_another_rank(core):
     # a multi-query K/V with its head axis squeezed away, (B, Lk, D) beside q (B, H, Lq, D): broadcasting would read
     # its batch axis as heads, so that q's batch 0, heads 2 and 3, attended to batch 1's keys; refused naming all
-    # three shapes, as are K/V heads that do not divide q's
+    # three shapes, as are K/V heads that do not divide q's, and a V longer than K (blockwise read V[:Lk])
     q, k, v = make_qkv(2, 4, 5, 5, 8)
-    with pytest.raises(ValueError, match=r"k and v must have q's number of dimensions.*\(2, 4, 5, 8\), k \(2, 5, 8\), "
+    with pytest.raises(ValueError, match=r"k and v must have one shape but Dv, q's ndim.*\(2, 4, 5, 8\), k \(2, 5, 8\), "
                                          r"v \(2, 5, 8\)"):
         CORE[core](q, k[:, 0], v[:, 0])
-    with pytest.raises(ValueError, match=r"k and v must have q's number of dimensions.*v \(2, 5, 8\)"):
+    with pytest.raises(ValueError, match=r"k and v must have one shape but Dv, q's ndim.*v \(2, 5, 8\)"):
         CORE[core](q, k, v[:, 0])
-    with pytest.raises(ValueError, match=r"heads that divide q's, and D >= 1 \(1 / sqrt\(D\)\): got q \(2, 4, 5, 8\), "
+    with pytest.raises(ValueError, match=r"heads dividing q's, and D >= 1 \(1 / sqrt\(D\)\): got q \(2, 4, 5, 8\), "
                                          r"k \(2, 3, 5, 8\)"):
         CORE[core](q, k[:, :3], v[:, :3])
+    with pytest.raises(ValueError, match=r"k and v must have one shape but Dv.*k \(2, 4, 3, 8\), v \(2, 4, 5, 8\)"):
+        CORE[core](q, k[:, :, :3], v)
     with pytest.raises(RuntimeError, match="must match|broadcast"):  # (B, L, D): a batch of 4 against one of 2, no heads
         CORE[core](q[:, 0].repeat(2, 1, 1), k[:, 0], v[:, 0])
 
