@@ -4,15 +4,15 @@ minitransformer: a Transformer encoder in one file, read top-down like a short p
 1. The core, between "core begins" and "core ends": standard attention and FlashAttention-2's
    blockwise attention, forward and backward, in their plainest correct form, with only math and torch.
 2. The model: multi-head attention, positional encodings, the encoder layer, the config and the
-   encoder, and a decoder's KV cache. Training it on a task that needs attention (mixed precision,
-   checkpoints, DDP) lives in train.py, which `python minitransformer.py` runs (kept beside this file).
+   encoder, and a decoder's KV cache. Training it on a task that needs attention, with mixed precision,
+   checkpoints and DDP, lives in train.py, which `python minitransformer.py` runs (kept beside this file).
 3. The appendix: the hardened paths that the model's attention runs through (attention(), impl=), each
    tested equal to the core: the same maths with everything real use asks for (masks, windows, packed
    documents, ALiBi, a user's FlexAttention mods, dropout, 16-bit dtypes, torch.compile). naive: the
    textbook formula; chunked: the blockwise algorithm with FlashAttention-2's precision recipe; flash:
-   PyTorch's fused kernels, warning (or raising) before SDPA would fall back to its unfused math kernel
-   (outside torch.compile). Every variant is a small rule over the positions of queries and keys, which
-   the three paths all read through one class, Visibility. The input checks come last.
+   PyTorch's fused F.scaled_dot_product_attention (SDPA), warning (or raising) outside torch.compile where
+   it would fall back to its unfused math kernel. The mask, window, documents, ALiBi and mods are each a
+   rule over query and key positions, which all three paths read through Visibility. Input checks last.
 ring_attention.py continues the chunked path across devices; approximate_attention.py holds the
 tutorials' approximate ways out; study.py measures what each path costs, and cost_model.py predicts it.
 
@@ -206,9 +206,9 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     impl picks the path, each tested equal to the core where both apply: "naive", the formula, with all (Lq,
     Lk) scores; "chunked", the core's blockwise algorithm, in O(L) memory; "flash", PyTorch's fused kernels
     (SDPA), warning where SDPA would fall back to its unfused math kernel (on CPU or CUDA, outside
-    torch.compile). Or a function of yours, taking q, k, v, attn_mask, dropout_p, is_causal, scale by position
-    and those of window_size, cu_seqlens, alibi_slopes, enable_gqa that are set by keyword (as the README
-    wraps the core; ring_attention.ring_impl()).
+    torch.compile). Or a function of yours, called as f(q, k, v, attn_mask, dropout_p, is_causal, scale,
+    **set), set: the ones of window_size, cu_seqlens, alibi_slopes, enable_gqa that the call sets (as the
+    README wraps the core; ring_attention.ring_impl()).
 
     q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv). attn_mask: bool, True where a
     query may attend, or float, added to the scores; broadcast to (B, H, Lq, Lk). is_causal: query i sees keys
@@ -216,8 +216,8 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     the keys with |i - j| <= w. cu_seqlens: offsets [0, l1, l1 + l2, ..., L] of packed documents, each query
     seeing its own document's keys. alibi_slopes (H,): ALiBi's bias, -slope_h * |i - j|. enable_gqa: k, v with
     H_kv heads. chunk_size: the chunked path's blocks. score_mod(score, b, h, q_idx, kv_idx) -> the new score,
-    or a BlockMask as attn_mask (FlexAttention's way to write a variant of your own: flex_attention) runs on
-    the chunked path whatever impl names (a function as impl raises ValueError). The conventions all paths
+    and a BlockMask as attn_mask, FlexAttention's ways to write a variant of your own (flex_attention), send
+    the call to the chunked path whatever impl names (a function as impl raises ValueError). What all paths
     keep (float masks, causality's alignment, dtypes, compile): the comment "Appendix: the hardened paths"."""
     given = dict(window_size=window_size, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes)
     kw = {name: x for name, x in given.items() if x is not None}  # unset: not passed (the core takes none)
