@@ -6,13 +6,13 @@ minitransformer: a Transformer encoder in one file, read top-down like a short p
 2. The model: multi-head attention, positional encodings, the encoder layer, the config and the
    encoder, and a decoder's KV cache. Training it on a task that needs attention, with mixed precision,
    checkpoints and DDP, lives in train.py, which `python minitransformer.py` runs (kept beside this file).
-3. The appendix: the hardened paths that the model's attention runs through (attention(), impl=), each
-   tested equal to the core: the same maths with everything real use asks for (masks, windows, packed
-   documents, ALiBi, a user's FlexAttention mods, dropout, 16-bit dtypes, torch.compile). naive: the
-   textbook formula; chunked: the blockwise algorithm with FlashAttention-2's precision recipe; flash:
-   PyTorch's fused F.scaled_dot_product_attention (SDPA), warning (or raising) outside torch.compile where
-   it would fall back to its unfused math kernel. The mask, window, documents, ALiBi and mods are each a
-   rule over query and key positions, which all three paths read through Visibility. Input checks last.
+3. The appendix: the hardened paths that attention() runs (impl=), each tested equal to the core: the same
+   maths with all that real use asks for (masks, windows, packed documents, ALiBi, FlexAttention's mods,
+   dropout, 16-bit dtypes, torch.compile). naive: the textbook formula; chunked: the blockwise algorithm with
+   FlashAttention-2's precision recipe; flash: PyTorch's F.scaled_dot_product_attention (SDPA), warning (or
+   raising) outside torch.compile where it would fall back from its fused kernels to its unfused math kernel.
+   Causality, windows, documents and ALiBi are rules over query and key positions, which Visibility composes
+   for every path (chunked: with a user's mods). The input checks close the file.
 ring_attention.py continues the chunked path across devices; approximate_attention.py holds the
 tutorials' approximate ways out; study.py measures what each path costs, and cost_model.py predicts it.
 
@@ -103,7 +103,7 @@ class BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, is_causal, block_size):
         Lq, Lk = q.size(-2), k.size(-2)
-        out, lse = q.new_empty(*q.shape[:-1], v.size(-1)), q.new_empty(*q.shape[:-1], 1)  # (B, H, Lq, Dv | 1)
+        out, lse = (q.new_empty(*q.shape[:-1], n) for n in (v.size(-1), 1))  # (B, H, Lq, Dv) and (.., 1)
         for rows in _blocks(Lq, block_size):
             m = q.new_full((*q.shape[:-2], rows.stop - rows.start, 1), float("-inf"))  # (B, H, rows, 1)
             l = torch.zeros_like(m)
@@ -148,7 +148,7 @@ def blockwise_attention(q, k, v, attn_mask=None, is_causal=False, block_size=64)
     if block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size}")
     k, v = _repeat_kv(q, k, v, attn_mask)
-    q = q.expand(*torch.broadcast_shapes(*(t.shape[:-2] for t in (q, k, v))), -1, -1)  # autograd sums dq
+    q = q.expand(*torch.broadcast_shapes(*(t.shape[:-2] for t in (q, k, v))), -1, -1)  # as out's; dq summed
     keep = None if attn_mask is None else attn_mask.expand(*q.shape[:-1], k.size(-2))  # a (B, H, Lq, Lk) view
     return BlockwiseAttention.apply(q, k, v, keep, is_causal, block_size)
 
@@ -165,9 +165,9 @@ def _block_scores(q, k, keep, is_causal, rows, cols):
 
 
 def _repeat_kv(q, k, v, attn_mask):
-    """The core's inputs checked, then k and v with a head for every query head h: K/V head h // G (grouped-
-    query attention, G = H / H_kv, on the head axis of (B, H, L, D) only). Refused: 16 bits and autocast
-    (their sums are far off), a float attn_mask, k or v of another ndim than q (it would broadcast over B)."""
+    """The core's inputs checked, then K/V head h // G for query head h (grouped-query attention, G = H /
+    H_kv, on (B, H, L, D)'s head axis). Refused: 16 bits and autocast (sums far off), a float attn_mask, k
+    or v of another ndim than q (it would broadcast over B), k and v unlike but in Dv (one projection's)."""
     autocast = torch.is_autocast_enabled(q.device.type)
     if q.dtype not in (torch.float32, torch.float64) or autocast:
         raise TypeError(f"the core computes in float32 or float64 outside autocast, got {q.dtype}"
@@ -176,7 +176,7 @@ def _repeat_kv(q, k, v, attn_mask):
         raise TypeError(f"attn_mask must be bool, True where a query may attend, got {attn_mask.dtype}")
     if (q.dim() != k.dim() or k.shape[:-1] != v.shape[:-1]  # v longer than k: blockwise would read v[:Lk]
             or (q.dim() == 4 and q.size(1) % k.size(1)) or q.size(-1) == 0):
-        raise ValueError(f"k and v must have one shape but Dv, q's ndim, heads dividing q's, and D >= 1 "
+        raise ValueError(f"k and v must match but in Dv and have q's ndim, heads dividing q's (4-D), D >= 1 "
                          f"(1 / sqrt(D)): got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     G = q.size(1) // k.size(1) if q.dim() == 4 else 1
     return (k, v) if G == 1 else (k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1))
@@ -207,8 +207,8 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     Lk) scores; "chunked", the core's blockwise algorithm, in O(L) memory; "flash", PyTorch's fused kernels
     (SDPA), warning where SDPA would fall back to its unfused math kernel (on CPU or CUDA, outside
     torch.compile). Or a function of yours, called as f(q, k, v, attn_mask, dropout_p, is_causal, scale,
-    **set), set: the ones of window_size, cu_seqlens, alibi_slopes, enable_gqa that the call sets (as the
-    README wraps the core; ring_attention.ring_impl()).
+    **kw), kw: those of window_size, cu_seqlens, alibi_slopes, enable_gqa that the call sets (as the README
+    wraps the core; ring_attention.ring_impl()).
 
     q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv). attn_mask: bool, True where a
     query may attend, or float, added to the scores; broadcast to (B, H, Lq, Lk). is_causal: query i sees keys

@@ -268,7 +268,7 @@ def test_core_refuses_what_it_does_not_do():
         with torch.autocast("cpu", dtype), pytest.raises(TypeError, match=r"got torch.float64 under autocast; 16"):
             core(q, k, v)  # autocast would run its products in 16 bits
     for core in CORE.values():  # D = 0: named, never the NaN of 0 / sqrt(0) (the paths give SDPA's, V's mean)
-        with pytest.raises(ValueError, match=r"and D >= 1 \(1 / sqrt\(D\)\): got q \(1, 2, 8, 0\), k \(1, 2, 8, 0\)"):
+        with pytest.raises(ValueError, match=r"\(4-D\), D >= 1 \(1 / sqrt\(D\)\): got q \(1, 2, 8, 0\), k \(1, 2, 8, 0\)"):
             core(q[..., :0], k[..., :0], v)
     with pytest.raises(ValueError, match="block_size must be a positive int, got 0"):
         mt.blockwise_attention(q, k, v, block_size=0)
@@ -307,18 +307,21 @@ def test_core_takes_any_leading_dimensions(core):
 def test_core_refuses_a_kv_of_another_rank(core):
     # a multi-query K/V with its head axis squeezed away, (B, Lk, D) beside q (B, H, Lq, D): broadcasting would read
     # its batch axis as heads, so that q's batch 0, heads 2 and 3, attended to batch 1's keys; refused naming all
-    # three shapes, as are K/V heads that do not divide q's, and a V longer than K (blockwise read V[:Lk])
+    # three shapes, as are K/V heads that do not divide q's, a V longer than K (blockwise read V[:Lk]), and K, V
+    # that broadcast differently (SDPA takes them; K and V of one projection never do)
     q, k, v = make_qkv(2, 4, 5, 5, 8)
-    with pytest.raises(ValueError, match=r"k and v must have one shape but Dv, q's ndim.*\(2, 4, 5, 8\), k \(2, 5, 8\), "
+    with pytest.raises(ValueError, match=r"k and v must match but in Dv and have q's ndim.*\(2, 4, 5, 8\), k \(2, 5, 8\), "
                                          r"v \(2, 5, 8\)"):
         CORE[core](q, k[:, 0], v[:, 0])
-    with pytest.raises(ValueError, match=r"k and v must have one shape but Dv, q's ndim.*v \(2, 5, 8\)"):
+    with pytest.raises(ValueError, match=r"k and v must match but in Dv and have q's ndim.*v \(2, 5, 8\)"):
         CORE[core](q, k, v[:, 0])
-    with pytest.raises(ValueError, match=r"heads dividing q's, and D >= 1 \(1 / sqrt\(D\)\): got q \(2, 4, 5, 8\), "
+    with pytest.raises(ValueError, match=r"heads dividing q's \(4-D\), D >= 1 \(1 / sqrt\(D\)\): got q \(2, 4, 5, 8\), "
                                          r"k \(2, 3, 5, 8\)"):
         CORE[core](q, k[:, :3], v[:, :3])
-    with pytest.raises(ValueError, match=r"k and v must have one shape but Dv.*k \(2, 4, 3, 8\), v \(2, 4, 5, 8\)"):
+    with pytest.raises(ValueError, match=r"k and v must match but in Dv.*k \(2, 4, 3, 8\), v \(2, 4, 5, 8\)"):
         CORE[core](q, k[:, :, :3], v)
+    with pytest.raises(ValueError, match=r"k and v must match but in Dv.*k \(1, 4, 5, 8\), v \(2, 4, 5, 8\)"):
+        CORE[core](q, k[:1], v)
     with pytest.raises(RuntimeError, match="must match|broadcast"):  # (B, L, D): a batch of 4 against one of 2, no heads
         CORE[core](q[:, 0].repeat(2, 1, 1), k[:, 0], v[:, 0])
 
