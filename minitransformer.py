@@ -174,11 +174,11 @@ def _repeat_kv(q, k, v, attn_mask):
                         f"{' under autocast' * autocast}; 16 bits: chunked_attention (FlashAttention-2's)")
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         raise TypeError(f"attn_mask must be bool, True where a query may attend, got {attn_mask.dtype}")
+    G = q.size(1) // max(k.size(1), 1) if q.dim() == 4 else 1  # query heads per K/V head
     if (q.dim() != k.dim() or k.shape[:-1] != v.shape[:-1]  # v longer than k: blockwise would read v[:Lk]
-            or (q.dim() == 4 and q.size(1) % k.size(1)) or q.size(-1) == 0):
+            or (q.dim() == 4 and q.size(1) != G * k.size(1)) or q.size(-1) == 0):
         raise ValueError(f"k and v must match but in Dv and have q's ndim, heads dividing q's (4-D), D >= 1 "
                          f"(1 / sqrt(D)): got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    G = q.size(1) // k.size(1) if q.dim() == 4 else 1
     return (k, v) if G == 1 else (k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1))
 
 
