@@ -248,8 +248,7 @@ class MultiHeadAttention(nn.Module):
     n_kv_heads * hs (hs = C / n_heads, the tutorials' d_k), its weight laid out as nn.MultiheadAttention's
     in_proj_weight (with n_kv_heads = n_heads): q's rows, k's, then v's. n_kv_heads below n_heads:
     grouped-query attention (1: multi-query), a KV cache n_heads / n_kv_heads times smaller, query head h
-    reading K/V head h // (n_heads // n_kv_heads), as Llama's repeat_kv (x-transformers reads K/V head h %
-    n_kv_heads: its models load once q's rows and W^O's columns are reordered by head, except with ALiBi).
+    reading K/V head h // (n_heads // n_kv_heads), as Llama's repeat_kv (x-transformers': h % n_kv_heads).
     impl: one of IMPLS, or an attention function (see attention()). rope: an optional RotaryEmbedding for q
     and k of every head; alibi: ALiBi's bias in every head (alibi_slopes, float32 whatever the module's);
     score_mod: FlexAttention's (flex_attention), a function, a module or a module's method: that module's
@@ -566,7 +565,7 @@ class Encoder(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):  # std 1/sqrt(d); x sqrt(d) in _embed: unit scale, as positions
+        elif isinstance(module, nn.Embedding):  # std 1/sqrt(d), std 1 once _embed multiplies by sqrt(d)
             nn.init.normal_(module.weight, std=module.embedding_dim ** -0.5 if module is self.embed else 1.0)
 
     def num_params(self):
