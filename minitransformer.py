@@ -174,7 +174,7 @@ def _repeat_kv(q, k, v, attn_mask):
                         f"{' under autocast' * autocast}; 16 bits: chunked_attention (FlashAttention-2's)")
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         raise TypeError(f"attn_mask must be bool, True where a query may attend, got {attn_mask.dtype}")
-    G = q.size(1) // max(k.size(1), 1) if q.dim() == 4 else 1  # query heads per K/V head
+    G = q.size(1) // k.size(1) if q.dim() == 4 == k.dim() and k.size(1) else 1  # query heads per K/V head
     if (q.dim() != k.dim() or k.shape[:-1] != v.shape[:-1]  # v longer than k: blockwise would read v[:Lk]
             or (q.dim() == 4 and q.size(1) != G * k.size(1)) or q.size(-1) == 0):
         raise ValueError(f"k and v must match but in Dv and have q's ndim, heads dividing q's (4-D), D >= 1 "
@@ -565,7 +565,7 @@ class Encoder(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):  # std 1/sqrt(d), std 1 once _embed multiplies by sqrt(d)
+        elif isinstance(module, nn.Embedding):  # tokens: std 1 once _embed multiplies by sqrt(d); positions 1
             nn.init.normal_(module.weight, std=module.embedding_dim ** -0.5 if module is self.embed else 1.0)
 
     def num_params(self):

@@ -307,7 +307,7 @@ def test_core_takes_any_leading_dimensions(core):
 def test_core_refuses_a_kv_of_another_rank(core):
     # a multi-query K/V with its head axis squeezed away, (B, Lk, D) beside q (B, H, Lq, D): broadcasting would read
     # its batch axis as heads, so that q's batch 0, heads 2 and 3, attended to batch 1's keys; refused naming all
-    # three shapes, as are K/V heads that do not divide q's (none too), a V longer than K (blockwise read V[:Lk]), and
+    # three shapes, as are K/V heads that do not divide q's (0 among them), a V longer than K (blockwise read V[:Lk]), and
     # K, V that broadcast differently (SDPA takes them; K and V of one projection never do)
     q, k, v = make_qkv(2, 4, 5, 5, 8)
     with pytest.raises(ValueError, match=r"k and v must match but in Dv and have q's ndim.*\(2, 4, 5, 8\), k \(2, 5, 8\), "
@@ -321,6 +321,9 @@ def test_core_refuses_a_kv_of_another_rank(core):
     with pytest.raises(ValueError, match=r"heads dividing q's \(4-D\).*k \(2, 0, 5, 8\)"):  # no K/V head: not 1 / 0
         CORE[core](q, k[:, :0], v[:, :0])
     assert CORE[core](q[:, :0], k[:, :0], v[:, :0]).shape == (2, 0, 5, 8)  # no head at all: an empty result
+    for bad_k in (k[0, 0, 0], k[0, 0, 0, 0]):  # 1-D and 0-D beside 4-D q: named, not an IndexError
+        with pytest.raises(ValueError, match=r"k and v must match but in Dv and have q's ndim"):
+            CORE[core](q, bad_k, bad_k)
     with pytest.raises(ValueError, match=r"k and v must match but in Dv.*k \(2, 4, 3, 8\), v \(2, 4, 5, 8\)"):
         CORE[core](q, k[:, :, :3], v)
     with pytest.raises(ValueError, match=r"k and v must match but in Dv.*k \(1, 4, 5, 8\), v \(2, 4, 5, 8\)"):
