@@ -166,8 +166,8 @@ def _block_scores(q, k, keep, is_causal, rows, cols):
 
 def _repeat_kv(q, k, v, attn_mask):
     """The core's inputs checked, then K/V head h // G for query head h (grouped-query attention, G = H /
-    H_kv, on (B, H, L, D)'s head axis). Refused: 16 bits and autocast (sums far off), a float attn_mask, k
-    or v of another ndim than q (it would broadcast over B), k and v unlike but in Dv (one projection's)."""
+    H_kv). Refused: 16 bits and autocast (sums far off), a float attn_mask, k or v of another ndim than q (it
+    would broadcast over B), k and v unlike but in Dv (one projection's), H_kv not dividing H, and D = 0."""
     autocast = torch.is_autocast_enabled(q.device.type)
     if q.dtype not in (torch.float32, torch.float64) or autocast:
         raise TypeError(f"the core computes in float32 or float64 outside autocast, got {q.dtype}"
