@@ -59,10 +59,10 @@ from torch.nn.attention.flex_attention import AuxOutput, BlockMask
 # core begins
 # Attention, softmax(Q K^T / sqrt(D)) V, at its plainest, forward and backward, in float32/64. Shapes as in
 # F.scaled_dot_product_attention: q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv) -> (B, H, Lq, Dv)
-# (D: d_k), or other leading dimensions, as many in q, k, v, each equal or 1 (as in SDPA). H_kv = H, or in 4-D
-# a divisor of H (grouped-query attention: query head h reads K/V head h // (H // H_kv)). A bool attn_mask,
-# True where a query may attend, broadcasts to (B, H, Lq, Lk). is_causal: query i sees keys j <= i, counted
-# from 0; queries after Lk - Lq older keys need attn_mask j <= i + Lk - Lq. A query that sees no key gets 0.
+# (D: d_k); or q, k, v of one other ndim, q's leading dimensions and K/V's each equal or 1 (as in SDPA).
+# H_kv = H, or in 4-D a divisor of H (grouped-query attention: query head h reads K/V head h // (H // H_kv)).
+# A bool attn_mask, True where a query may attend, broadcasts to (B, H, Lq, Lk). is_causal: query i sees keys
+# j <= i, from 0; a KV cache's new queries need attn_mask j <= i + Lk - Lq instead. A query seeing no key: 0.
 
 
 def standard_attention(q, k, v, attn_mask=None, is_causal=False):
