@@ -307,8 +307,8 @@ def test_core_takes_any_leading_dimensions(core):
 def test_core_refuses_a_kv_of_another_rank(core):
     # a multi-query K/V with its head axis squeezed away, (B, Lk, D) beside q (B, H, Lq, D): broadcasting would read
     # its batch axis as heads, so that q's batch 0, heads 2 and 3, attended to batch 1's keys; refused naming all
-    # three shapes, as are K/V heads that do not divide q's (0 among them), a V longer than K (blockwise read V[:Lk]), and
-    # K, V that broadcast differently (SDPA takes them; K and V of one projection never do)
+    # three shapes, as are K/V heads that do not divide q's (0 among them), a V longer than K (blockwise read
+    # V[:Lk]), and K, V that broadcast differently (SDPA takes them; K and V of one projection never do)
     q, k, v = make_qkv(2, 4, 5, 5, 8)
     with pytest.raises(ValueError, match=r"k and v must match but in Dv and have q's ndim.*\(2, 4, 5, 8\), k \(2, 5, 8\), "
                                          r"v \(2, 5, 8\)"):
